@@ -1,0 +1,111 @@
+"""The contract every generation backend implements.
+
+An engine turns token ids into sampled continuations and, for partial
+rollouts, must be able to (1) abort everything in flight and hand back what it
+produced so far, (2) continue a response from prompt + partial response, and
+(3) take new weights in place, bumping its policy version. Logprobs are those
+of the distribution actually sampled from, log_softmax(logits / temperature),
+as SGLang reports them (before top-k / top-p).
+
+Backends: `engines/torch_engine.py` (built-in, continuous batching, CPU/CUDA),
+`engines/sglang_engine.py` (HTTP to an SGLang server), `engines/simulated.py`
+(latency model, no weights). `make_engine` picks one from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from async_april.config import Config
+
+FinishReason = Literal["stop", "length", "abort"]
+WeightBucket = dict[str, "torch.Tensor"]
+"""A bounded group of named full (unsharded) tensors, all of one dtype."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Per-request sampling seed: the same request and weights give the same tokens whatever else is batched."""
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    """Unique, and never a prefix of another live id (SGLang aborts by prefix)."""
+    input_ids: np.ndarray
+    sampling: SamplingParams
+    prompt_len: int | None = None
+    """On a resume (input_ids = prompt + partial response): the original prompt's length. None: all of input_ids is prompt.
+    Only the simulated engine reads it (to continue toward the same drawn total length)."""
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    output_ids: np.ndarray
+    logprobs: np.ndarray
+    """log_softmax(logits / temperature)[token] for each output token."""
+    versions: np.ndarray
+    """Policy version of the weights that produced each output token."""
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not (len(self.output_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError(
+                f"{self.request_id}: output_ids ({len(self.output_ids)}), logprobs ({len(self.logprobs)}) "
+                f"and versions ({len(self.versions)}) must have one entry per token"
+            )
+
+
+@dataclass
+class EngineStats:
+    busy_s: float = 0.0
+    """Wall time spent with at least one request running."""
+    idle_s: float = 0.0
+    """Wall time the engine was up with nothing to run."""
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently loaded."""
+        ...
+
+    async def start(self) -> None:
+        """Load the model / connect to the server. Called once before the first request."""
+        ...
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Sample a continuation of `request.input_ids`."""
+        ...
+
+    async def abort_all(self) -> None:
+        """Every pending `generate` returns promptly with its tokens so far and reason `abort`."""
+        ...
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load new full weights bucket by bucket, then report `version`. Callers abort or drain first."""
+        ...
+
+    def stats(self) -> EngineStats:
+        ...
+
+    async def shutdown(self) -> None:
+        ...

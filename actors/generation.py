@@ -1,0 +1,180 @@
+"""GenerationActor: keeps `rollout.concurrency` requests in flight on one engine.
+
+    store.lease ──> [request, request, ...] ──engine──> finished: score, push
+         ^                                       └────> aborted:  push partial
+         └──────── every completion frees a slot and leases the next piece of work
+
+Every produced token keeps the logprob the engine recorded and the policy
+version of the weights that produced it; a resumed response appends a new
+segment to the partial one, so provenance survives any number of
+interruptions. On new weights the actor either interrupts (abort in flight,
+push partials, load, resume them first) or drains (finish in flight with the
+old weights, then load), per `rollout.on_weight_update`.
+
+A plain class; `train.py` wraps it with `ray.remote`. Its methods are async
+and interleave on one event loop, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import traceback
+
+import numpy as np
+
+from actors.engine import GenerateRequest, SamplingParams
+from async_april.config import Config
+from async_april.trajectory import Sample
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+"""How often an idle actor asks the store for work again (admission may reopen)."""
+
+
+def sampling_seed(run_seed: int, sample: Sample) -> int:
+    """Per-request seed: reproducible whatever else shares the batch, new for each resume."""
+    key = f"{run_seed}/{sample.prompt_index}/{sample.sample_index}/{sample.num_tokens}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class GenerationActor:
+    def __init__(self, cfg: Config, actor_id: str, store, model_path: str, engine=None):
+        import torch
+        from transformers import AutoTokenizer
+
+        from actors.engines import make_engine
+        from async_april.rewards import get_reward_fn
+
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.actor_id = actor_id
+        self.store = store
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine = engine if engine is not None else make_engine(cfg, model_path)
+        self.reward_fn = get_reward_fn(cfg.reward.name)
+        self.inflight: dict[str, asyncio.Task] = {}
+        self.open = asyncio.Event()
+        self.open.set()
+        self.stopping = False
+        self.early_stopping = False
+        self.reward_errors = 0
+        self.generated_tokens = 0
+        self.weight_load_s = 0.0
+
+    async def start(self) -> int:
+        await self.engine.start()
+        return self.engine.version
+
+    # -- the loop -------------------------------------------------------------
+    async def run(self) -> None:
+        """Lease, generate, push until `stop()`; returns only then (or raises)."""
+        while not self.stopping:
+            await self.open.wait()
+            free = self.cfg.rollout.concurrency - len(self.inflight)
+            if free > 0:
+                for s in await self.store.lease_async.remote(self.actor_id, free, self.engine.version):
+                    self.inflight[s.uid] = asyncio.create_task(self._generate(s))
+            if self.inflight:
+                done, _ = await asyncio.wait(list(self.inflight.values()), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # re-raise engine or reward failures: the actor dies, its leases return
+            else:
+                await asyncio.sleep(POLL_S)
+
+    async def _generate(self, sample: Sample) -> None:
+        r = self.cfg.rollout
+        remaining = r.max_new_tokens - sample.num_tokens
+        try:
+            if remaining > 0:
+                req = GenerateRequest(
+                    request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/",
+                    input_ids=sample.resume_input_ids(),
+                    sampling=SamplingParams(
+                        max_new_tokens=remaining,
+                        temperature=r.temperature,
+                        top_p=r.top_p,
+                        top_k=r.top_k,
+                        stop_token_ids=(self.tokenizer.eos_token_id,),
+                        seed=sampling_seed(self.cfg.run.seed, sample),
+                    ),
+                )
+                res = await self.engine.generate(req)
+                sample.extend(res.output_ids, res.logprobs, res.versions, res.finish_reason)
+                self.generated_tokens += len(res.output_ids)
+            else:
+                sample.finish_reason = "length"
+            if sample.done:
+                sample.reward = self._score(sample)
+            await self.store.push_async.remote(self.actor_id, [sample], early_stop=self.early_stopping)
+        finally:
+            self.inflight.pop(sample.uid, None)
+
+    def _score(self, sample: Sample) -> float:
+        prompt = self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
+        response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        try:
+            reward = float(self.reward_fn(prompt=prompt, response=response, answer=sample.answer or ""))
+            if not np.isfinite(reward):
+                raise ValueError(f"reward is {reward}")
+            return reward
+        except Exception:
+            self.reward_errors += 1
+            if self.reward_errors == 1:
+                log.error("reward %r failed on %s (first failure, later ones only counted):\n%s", self.cfg.reward.name, sample.uid, traceback.format_exc())
+            if self.cfg.reward.on_error == "stop":
+                raise
+            return 0.0
+
+    async def _settle(self) -> None:
+        """Wait until every in-flight request has returned and pushed its sample."""
+        while self.inflight:
+            await asyncio.gather(*list(self.inflight.values()), return_exceptions=True)
+
+    # -- control from the controller ------------------------------------------------
+    async def update_weights(self, bucket_refs: list, version: int) -> float:
+        """Load weights `version` from object-store buckets; returns seconds spent."""
+        import ray
+
+        t0 = time.perf_counter()
+        self.open.clear()
+        if self.cfg.rollout.on_weight_update == "interrupt":
+            await self.engine.abort_all()
+        await self._settle()
+        buckets = [await ref for ref in bucket_refs] if bucket_refs and isinstance(bucket_refs[0], ray.ObjectRef) else bucket_refs
+        await self.engine.update_weights(buckets, version)
+        self.open.set()
+        self.weight_load_s = time.perf_counter() - t0
+        return self.weight_load_s
+
+    async def early_stop(self) -> None:
+        """APRIL: the batch is complete; abort what is in flight, partials wait for new weights."""
+        self.early_stopping = True
+        try:
+            await self.engine.abort_all()
+            await self._settle()
+        finally:
+            self.early_stopping = False
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await self.engine.abort_all()
+        await self._settle()
+
+    def metrics(self) -> dict[str, float]:
+        st = self.engine.stats()
+        total = st.busy_s + st.idle_s
+        return {
+            "rollout/inflight": len(self.inflight),
+            "rollout/reward_errors": self.reward_errors,
+            "perf/engine_busy_s": st.busy_s,
+            "perf/engine_idle_s": st.idle_s,
+            "perf/engine_idle_frac": st.idle_s / total if total > 0 else 0.0,
+            "perf/engine_generated_tokens": st.generated_tokens,
+        }
+
+    def version(self) -> int:
+        return self.engine.version

@@ -1,0 +1,5 @@
+import sys
+
+from async_april.cli import main
+
+sys.exit(main())

@@ -1,0 +1,85 @@
+"""From completed groups to the learner's input.
+
+The learner is algorithm-blind: advantages are computed here, before it, from
+each group's rewards. A `TrainBatch` holds one row per response with the
+behaviour logprobs and per-token versions exactly as the engines recorded them;
+the learner never replaces them with recomputed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from async_april.trajectory import Group
+
+
+@dataclass
+class TrainBatch:
+    input_ids: list[np.ndarray]
+    """Prompt followed by response, one array per sequence."""
+    prompt_lens: np.ndarray
+    """Prompt length of each sequence; response tokens start there."""
+    behavior_logprobs: list[np.ndarray]
+    """Per response token, from the engine (and policy version) that sampled it."""
+    versions: list[np.ndarray]
+    """Per response token, the policy version that sampled it."""
+    advantages: np.ndarray
+    """One advantage per sequence, broadcast over its response tokens."""
+    policy_version: int
+    """Learner version the batch is trained at; staleness = policy_version - versions."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def response_lens(self) -> np.ndarray:
+        return np.array([len(x) for x in self.behavior_logprobs], np.int64)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_lens.sum())
+
+    def select(self, rows: list[int] | np.ndarray) -> "TrainBatch":
+        rows = list(rows)
+        return TrainBatch(
+            input_ids=[self.input_ids[i] for i in rows],
+            prompt_lens=self.prompt_lens[rows],
+            behavior_logprobs=[self.behavior_logprobs[i] for i in rows],
+            versions=[self.versions[i] for i in rows],
+            advantages=self.advantages[rows],
+            policy_version=self.policy_version,
+        )
+
+    def shard(self, rank: int, world_size: int) -> "TrainBatch":
+        """Rows for one learner rank, balanced by token count (greedy longest-first)."""
+        lengths = np.array([len(x) for x in self.input_ids])
+        loads = np.zeros(world_size, np.int64)
+        owner = np.empty(len(lengths), np.int64)
+        for i in np.argsort(-lengths, kind="stable"):
+            r = int(np.argmin(loads))
+            owner[i] = r
+            loads[r] += lengths[i]
+        return self.select(np.nonzero(owner == rank)[0])
+
+    def staleness(self) -> np.ndarray:
+        """Per-token lag in versions, over all response tokens."""
+        if not self.versions:
+            return np.zeros(0, np.int64)
+        return self.policy_version - np.concatenate(self.versions)
+
+
+def build_train_batch(groups: list[Group], advantages: np.ndarray, policy_version: int) -> TrainBatch:
+    """Flatten groups (row-major: group, then sample) with their [groups x n] advantages."""
+    samples = [s for g in groups for s in g.samples]
+    if len(samples) != advantages.size:
+        raise ValueError(f"{len(samples)} samples but {advantages.size} advantages")
+    return TrainBatch(
+        input_ids=[np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in samples],
+        prompt_lens=np.array([len(s.prompt_ids) for s in samples], np.int64),
+        behavior_logprobs=[s.behavior_logprobs.astype(np.float32) for s in samples],
+        versions=[s.versions.astype(np.int64) for s in samples],
+        advantages=advantages.reshape(-1).astype(np.float32),
+        policy_version=policy_version,
+    )

@@ -1,0 +1,50 @@
+"""Admission control that bounds how stale a trained token can be (AReaL).
+
+Pure logic, no Ray. With learner version v, batch size B groups and maximum
+staleness eta, at most (eta + v + 1) * B groups may have been started (minus
+those filtered or dropped, which free their slot). A group admitted under
+that limit is among the first (eta + v + 1) batches, so it is trained by
+version v + eta at the latest; generation runs ahead of the learner by at most
+eta versions and never has to throw work away to respect the bound.
+
+eta = 0 with no over-provisioning reproduces synchronous training: the
+(v + 1)-th batch's prompts can only start once weights v are loaded.
+
+A second, independent cap bounds the groups in flight (started, not yet
+complete) to ceil(over_provision * B): APRIL's over-provisioning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StalenessController:
+    batch_groups: int
+    max_staleness: int
+    over_provision: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.batch_groups < 1 or self.max_staleness < 0 or self.over_provision < 1.0:
+            raise ValueError(f"invalid staleness controller settings: {self}")
+
+    @property
+    def max_groups_in_flight(self) -> int:
+        return math.ceil(self.over_provision * self.batch_groups)
+
+    def capacity(self, version: int, admitted: int, in_flight: int) -> int:
+        """How many new groups may start now.
+
+        version: learner policy version v (steps trained so far).
+        admitted: groups started so far that still count (started - filtered - dropped).
+        in_flight: groups started and not yet complete (partial or running).
+        """
+        by_staleness = (self.max_staleness + version + 1) * self.batch_groups - admitted
+        by_over_provision = self.max_groups_in_flight - in_flight
+        return max(0, min(by_staleness, by_over_provision))
+
+    def is_stale(self, oldest_token_version: int, version: int) -> bool:
+        """Whether a group whose oldest token is that version exceeds eta if trained at `version`."""
+        return oldest_token_version >= 0 and version - oldest_token_version > self.max_staleness

@@ -1,0 +1,289 @@
+"""The rollout store: the one place that knows where every prompt and token is.
+
+Generation actors lease work (one sample = one request) and push back finished
+or aborted samples; the controller takes batches of complete groups. Order of
+work: partial responses first (oldest tokens first), then fresh samples of
+groups already started, then new prompts as groups of n, the last only as far
+as the `StalenessController` admits. Every prompt taken from the dataset is in
+exactly one state -- in flight, partial, completed (waiting for a batch),
+trained, filtered or dropped -- and `accounting()` proves it.
+
+`RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor` wraps
+it as an async Ray actor whose `get_batch` waits without blocking pushes.
+Everything here, leases included, is saved by `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from async_april.config import Config
+from async_april.data import PromptDataset
+from async_april.staleness import StalenessController
+from async_april.trajectory import Group, Sample
+
+PUSH_FINISHED = "finished"
+
+
+@dataclass
+class _Counters:
+    started_groups: int = 0
+    trained_groups: int = 0
+    filtered_groups: int = 0
+    dropped_groups: int = 0
+    requeued_groups: int = 0
+    partial_resumed: int = 0
+    aborted_tokens: int = 0
+    aborted_tokens_reused: int = 0
+    stale_tokens_discarded: int = 0
+    actor_failures: int = 0
+    extra: Counter = field(default_factory=Counter)
+
+
+class RolloutStore:
+    def __init__(self, cfg: Config, dataset: PromptDataset):
+        self.dataset = dataset
+        self.n = cfg.rollout.n_samples
+        self.batch_groups = cfg.rollout.batch_groups
+        self.dynamic_sampling = cfg.rollout.dynamic_sampling
+        self.stale_policy = cfg.async_.stale_policy
+        self.controller = StalenessController(cfg.rollout.batch_groups, cfg.async_.max_staleness, cfg.rollout.over_provision)
+        self.version = 0
+        self.cursor = 0
+        self.open_groups: dict[int, Group] = {}
+        """Started, not complete: every sample is fresh, leased, partial or done."""
+        self.fresh: deque[tuple[int, int]] = deque()
+        """(prompt_index, sample_index) never generated yet, oldest group first."""
+        self.partials: dict[str, Sample] = {}
+        self.hold_until: dict[str, int] = {}
+        """Partials aborted by an early stop wait for weights newer than this version."""
+        self.leases: dict[str, dict[str, Sample]] = {}
+        self.aborted_len: dict[str, int] = {}
+        """Tokens a response had at its latest abort: all of them are resumed, then trained."""
+        self.completed: deque[Group] = deque()
+        self.trained: list[int] = []
+        self.filtered: list[int] = []
+        self.dropped: list[int] = []
+        self.counters = _Counters()
+
+    # -- work out ---------------------------------------------------------
+    def lease(self, actor_id: str, max_items: int, engine_version: int) -> list[Sample]:
+        """Up to `max_items` samples for `actor_id`, partials first, then fresh, then new groups."""
+        out: list[Sample] = []
+        for uid in sorted(self.partials, key=self._partial_order):
+            if len(out) == max_items:
+                break
+            if self.hold_until.get(uid, -1) >= engine_version:
+                continue
+            s = self.partials.pop(uid)
+            self.hold_until.pop(uid, None)
+            s.num_resumes += 1
+            self.counters.partial_resumed += 1
+            out.append(s)
+        while len(out) < max_items:
+            if not self.fresh and not self._start_group():
+                break
+            p, i = self.fresh.popleft()
+            out.append(self.open_groups[p].samples[i])
+        held = self.leases.setdefault(actor_id, {})
+        for s in out:
+            held[s.uid] = s
+        return copy.deepcopy(out)
+
+    def _partial_order(self, uid: str) -> tuple[int, int]:
+        s = self.partials[uid]
+        return (int(s.versions.min()) if len(s.versions) else self.version, s.prompt_index)
+
+    def _start_group(self) -> bool:
+        in_flight = len(self.open_groups)
+        admitted = self.counters.started_groups - self.counters.filtered_groups - self.counters.dropped_groups
+        if self.controller.capacity(self.version, admitted, in_flight) <= 0:
+            return False
+        p = self.cursor
+        row = self.dataset.row(p)
+        self.open_groups[p] = Group(
+            prompt_index=p,
+            samples=[Sample(prompt_index=p, sample_index=i, prompt_ids=row.prompt_ids, answer=row.answer) for i in range(self.n)],
+        )
+        self.fresh.extend((p, i) for i in range(self.n))
+        self.cursor += 1
+        self.counters.started_groups += 1
+        return True
+
+    # -- work back --------------------------------------------------------
+    def push(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
+        """Finished samples (scored) or aborted partials from `actor_id`."""
+        held = self.leases.setdefault(actor_id, {})
+        for s in samples:
+            if held.pop(s.uid, None) is None:
+                # A lease already returned to the pool (its actor was declared dead) or
+                # trained: the store's copy wins, so nothing is counted twice.
+                self.counters.extra["late_pushes_ignored"] += 1
+                continue
+            group = self.open_groups[s.prompt_index]
+            group.samples[s.sample_index] = s
+            if s.done:
+                if group.done:
+                    self._complete(group)
+            else:
+                self._to_partial(s, hold=self.version if early_stop else None)
+
+    def _to_partial(self, s: Sample, hold: int | None = None) -> None:
+        if s.num_tokens == 0:
+            self.fresh.appendleft((s.prompt_index, s.sample_index))
+            return
+        self.partials[s.uid] = s
+        # Count each aborted token once, however often its response is interrupted.
+        self.counters.aborted_tokens += s.num_tokens - self.aborted_len.get(s.uid, 0)
+        self.aborted_len[s.uid] = s.num_tokens
+        if hold is not None:
+            self.hold_until[s.uid] = max(hold, int(s.versions.max()))
+
+    def _complete(self, group: Group) -> None:
+        del self.open_groups[group.prompt_index]
+        rewards = group.rewards
+        if self.dynamic_sampling and self.n > 1 and np.ptp(rewards) <= 1e-6:
+            self.filtered.append(group.prompt_index)
+            self.counters.filtered_groups += 1
+            for s in group.samples:
+                self.aborted_len.pop(s.uid, None)
+            return
+        self.completed.append(group)
+
+    def release_actor(self, actor_id: str) -> int:
+        """Return a dead actor's leases to the pool as the store last saw them."""
+        held = self.leases.pop(actor_id, {})
+        for s in held.values():
+            self._to_partial(s)
+        self.counters.actor_failures += 1
+        return len(held)
+
+    # -- batches ------------------------------------------------------------
+    def try_get_batch(self) -> list[Group] | None:
+        """B complete groups within the staleness bound, or None if not enough yet."""
+        self._apply_stale_policy()
+        if len(self.completed) < self.batch_groups:
+            return None
+        batch = [self.completed.popleft() for _ in range(self.batch_groups)]
+        for g in batch:
+            self.trained.append(g.prompt_index)
+            self.counters.aborted_tokens_reused += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
+        self.counters.trained_groups += len(batch)
+        return batch
+
+    def _apply_stale_policy(self) -> None:
+        keep: deque[Group] = deque()
+        for g in self.completed:
+            if not self.controller.is_stale(g.min_version(), self.version):
+                keep.append(g)
+            elif self.stale_policy == "drop":
+                self.dropped.append(g.prompt_index)
+                self.counters.dropped_groups += 1
+            else:
+                self._requeue(g)
+        self.completed = keep
+
+    def _requeue(self, g: Group) -> None:
+        """Regenerate a too-stale group from its prompt, first in line, so hard prompts are not starved."""
+        self.counters.requeued_groups += 1
+        self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
+        for s in g.samples:
+            self.aborted_len.pop(s.uid, None)
+        fresh = [Sample(prompt_index=g.prompt_index, sample_index=s.sample_index, prompt_ids=s.prompt_ids, answer=s.answer) for s in g.samples]
+        self.open_groups[g.prompt_index] = Group(prompt_index=g.prompt_index, samples=fresh)
+        self.fresh.extendleft((g.prompt_index, i) for i in reversed(range(self.n)))
+
+    def set_version(self, version: int) -> None:
+        if version < self.version:
+            raise ValueError(f"policy version went backwards: {self.version} -> {version}")
+        self.version = version
+
+    # -- observability ----------------------------------------------------------
+    def accounting(self) -> dict[str, list[int]]:
+        """Every prompt index taken from the dataset, by state; each appears exactly once."""
+        in_flight, partial = [], []
+        for p, g in self.open_groups.items():
+            leased = any(s.uid in held for held in self.leases.values() for s in g.samples)
+            has_partial = any(s.uid in self.partials for s in g.samples)
+            (partial if has_partial and not leased else in_flight).append(p)
+        return {
+            "in_flight": sorted(in_flight),
+            "partial": sorted(partial),
+            "completed": sorted(g.prompt_index for g in self.completed),
+            "trained": list(self.trained),
+            "filtered": list(self.filtered),
+            "dropped": list(self.dropped),
+        }
+
+    def check_accounting(self) -> None:
+        """Raise if any prompt is lost, duplicated or trained twice."""
+        states = self.accounting()
+        seen = [p for ps in states.values() for p in ps]
+        counts = Counter(seen)
+        dup = sorted(p for p, c in counts.items() if c > 1)
+        missing = sorted(set(range(self.cursor)) - set(counts))
+        if dup or missing or len(seen) != self.cursor:
+            raise AssertionError(f"rollout accounting broken: duplicated {dup[:10]}, missing {missing[:10]}, cursor {self.cursor}")
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        return {
+            "rollout/groups_started": c.started_groups,
+            "rollout/groups_filtered": c.filtered_groups,
+            "rollout/groups_dropped_stale": c.dropped_groups,
+            "rollout/groups_requeued_stale": c.requeued_groups,
+            "rollout/partial_resumed": c.partial_resumed,
+            "rollout/aborted_tokens": c.aborted_tokens,
+            "rollout/aborted_tokens_reused": c.aborted_tokens_reused,
+            "rollout/stale_tokens_discarded": c.stale_tokens_discarded,
+            "rollout/partial_buffer": len(self.partials),
+            "rollout/completed_waiting": len(self.completed),
+            "rollout/leased": sum(len(h) for h in self.leases.values()),
+            "rollout/actor_failures": c.actor_failures,
+            "data/prompt_cursor": self.cursor,
+            "data/rejected_long_prompts": self.dataset.rejected_long,
+            "data/truncated_long_prompts": self.dataset.truncated_long,
+        }
+
+    # -- checkpointing --------------------------------------------------------
+    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "n", "batch_groups")
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue. Leased samples are saved as the store last saw
+        them, as partials (or fresh), since their actors will not exist after a restart."""
+        state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in self._NOT_SAVED})
+        partials, fresh = state["partials"], state["fresh"]
+        for held in state.pop("leases").values():
+            for s in held.values():
+                if s.num_tokens:
+                    partials[s.uid] = s
+                else:
+                    fresh.appendleft((s.prompt_index, s.sample_index))
+        state["leases"] = {}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(copy.deepcopy(state))
+
+
+class RolloutStoreActor(RolloutStore):
+    """Async Ray actor face of the store: methods run one at a time on its event loop."""
+
+    async def get_batch(self, poll_s: float = 0.005) -> list[Group]:
+        while (batch := self.try_get_batch()) is None:
+            await asyncio.sleep(poll_s)
+        return batch
+
+    async def lease_async(self, actor_id: str, max_items: int, engine_version: int) -> list[Sample]:
+        return self.lease(actor_id, max_items, engine_version)
+
+    async def push_async(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
+        self.push(actor_id, samples, early_stop)
+
+    async def call(self, method: str, *args, **kwargs):
+        return getattr(self, method)(*args, **kwargs)

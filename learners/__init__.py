@@ -1,0 +1,32 @@
+"""The FSDP2 learner: ranks as Ray actors, bucketed weight export, checkpoints.
+
+    parallelize.py  the only place applying FSDP2 / activation checkpointing / compile
+    logprobs.py     per-token logprobs (pure) and response logprobs of a padded micro-batch
+    worker.py       LearnerWorker: one rank (plain class; runs with or without Ray)
+    group.py        LearnerGroup: one Ray actor per rank in a placement group
+    weight_sync.py  bucketize, transports (object store, disk, nccl), WeightSyncer
+    checkpoint.py   DCP model + optimizer shards, per-rank scheduler / RNG / version
+
+Imports are lazy so `import learners` pulls in neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LearnerWorker": "learners.worker",
+    "LearnerGroup": "learners.group",
+    "WeightSyncer": "learners.weight_sync",
+    "bucketize": "learners.weight_sync",
+    "iter_buckets": "learners.weight_sync",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'learners' has no attribute {name!r}")

@@ -1,0 +1,169 @@
+"""RolloutStore as plain Python: work order, admission, partials, filtering, accounting, save/load."""
+
+import random
+
+import numpy as np
+import pytest
+
+from async_april.config import load_config
+from async_april.data import PromptDataset, PromptRow
+from async_april.store import RolloutStore
+
+
+def make_store(**over):
+    args = [f"{k}={v}" for k, v in over.items()]
+    cfg = load_config(None, ["rollout.batch_groups=2", "rollout.n_samples=2", *args])
+    rows = [PromptRow(prompt=str(i), answer=str(i), prompt_ids=np.array([1, 2 + i % 7])) for i in range(50)]
+    return RolloutStore(cfg, PromptDataset(rows=rows, seed=0))
+
+
+def finish(s, n_tokens=3, version=0, reward=None):
+    s.extend(np.arange(n_tokens), -np.ones(n_tokens), np.full(n_tokens, version), "stop")
+    s.reward = float(s.sample_index) if reward is None else reward
+    return s
+
+
+def abort(s, n_tokens=2, version=0):
+    s.extend(np.arange(n_tokens), -np.ones(n_tokens), np.full(n_tokens, version), "abort")
+    return s
+
+
+def test_sync_admission_one_batch_per_version():
+    st = make_store()
+    work = st.lease("a", 100, engine_version=0)
+    assert len(work) == 4  # B=2 groups x n=2, nothing more at eta=0
+    st.push("a", [finish(s) for s in work])
+    assert st.lease("a", 100, 0) == []
+    batch = st.try_get_batch()
+    assert [g.prompt_index for g in batch] == [0, 1]
+    assert st.lease("a", 100, 0) == []  # learner has not produced version 1 yet
+    st.set_version(1)
+    assert len(st.lease("a", 100, 1)) == 4
+    st.check_accounting()
+
+
+def test_partials_resume_first_oldest_first():
+    st = make_store(**{"async.max_staleness": 2, "rollout.over_provision": 3})
+    work = st.lease("a", 4, 0)
+    st.set_version(1)
+    st.push("a", [abort(work[3], version=1)])
+    st.push("a", [abort(work[1], version=0)])
+    nxt = st.lease("c", 3, 1)
+    assert [s.uid for s in nxt[:2]] == [work[1].uid, work[3].uid]  # oldest tokens first
+    assert nxt[2].prompt_index == 2  # then new work
+    assert nxt[0].num_resumes == 1 and nxt[0].num_tokens == 2
+    assert st.counters.partial_resumed == 2
+
+
+def test_early_stop_partials_wait_for_new_weights():
+    st = make_store(**{"async.max_staleness": 1, "rollout.over_provision": 2})
+    work = st.lease("a", 100, 0)
+    assert len(work) == 8  # over-provisioned: 2x the batch
+    st.push("a", [finish(s) for s in work[:4]])
+    st.push("a", [abort(s) for s in work[4:]], early_stop=True)
+    assert st.try_get_batch() is not None
+    assert st.lease("a", 100, 0) == []  # same weights: hold
+    st.set_version(1)
+    resumed = st.lease("a", 100, 1)
+    assert {s.uid for s in resumed[:4]} == {s.uid for s in work[4:]}
+
+
+def test_no_aborted_token_is_lost():
+    st = make_store(**{"async.max_staleness": 1, "rollout.over_provision": 2})
+    work = st.lease("a", 100, 0)
+    st.push("a", [finish(s) for s in work[:4]])
+    st.push("a", [abort(s, n_tokens=5) for s in work[4:]], early_stop=True)
+    st.try_get_batch()
+    st.set_version(1)
+    resumed = st.lease("a", 4, 1)
+    st.push("a", [finish(s, n_tokens=1, version=1) for s in resumed])
+    assert st.try_get_batch() is not None
+    assert st.counters.aborted_tokens == 20
+    assert st.counters.aborted_tokens_reused == 20
+
+
+def test_dynamic_sampling_filters_and_replaces():
+    st = make_store(**{"rollout.dynamic_sampling": "true"})
+    work = st.lease("a", 100, 0)
+    st.push("a", [finish(s, reward=1.0) for s in work[:2]])  # group 0: zero variance
+    st.push("a", [finish(s) for s in work[2:]])
+    assert st.counters.filtered_groups == 1
+    repl = st.lease("a", 100, 0)
+    assert {s.prompt_index for s in repl} == {2}  # the filtered slot was given back
+    st.check_accounting()
+
+
+def test_dead_actor_leases_return_to_the_pool():
+    st = make_store()
+    work = st.lease("a", 100, 0)
+    st.push("a", [finish(work[0])])
+    assert st.release_actor("a") == 3
+    again = st.lease("b", 100, 0)
+    assert sorted(s.uid for s in again) == sorted(s.uid for s in work[1:])
+    st.push("a", [finish(work[1])])  # a late push from the dead actor is ignored
+    assert st.counters.extra["late_pushes_ignored"] == 1
+    st.check_accounting()
+
+
+@pytest.mark.parametrize("policy", ["requeue", "drop"])
+def test_stale_groups_follow_policy(policy):
+    st = make_store(**{"async.max_staleness": 0, "async.stale_policy": policy, "rollout.over_provision": 1})
+    work = st.lease("a", 100, 0)
+    st.push("a", [finish(s, version=0) for s in work])
+    st.set_version(1)  # pretend the learner moved on without this batch
+    assert st.try_get_batch() is None
+    if policy == "drop":
+        assert st.counters.dropped_groups == 2
+    else:
+        assert st.counters.requeued_groups == 2 and len(st.fresh) == 4
+    st.check_accounting()
+
+
+def test_random_schedule_keeps_accounting_and_staleness():
+    """Random leases / finishes / aborts / deaths / batches: every prompt in exactly one state, eta held."""
+    rng = random.Random(0)
+    eta = 2
+    st = make_store(**{"async.max_staleness": eta, "rollout.over_provision": 3, "rollout.dynamic_sampling": "true"})
+    held = {"a": [], "b": []}
+    version = 0
+    trained = []
+    for _ in range(600):
+        actor = rng.choice("ab")
+        op = rng.random()
+        if op < 0.35:
+            held[actor] += st.lease(actor, rng.randint(1, 4), version)
+        elif op < 0.75 and held[actor]:
+            s = held[actor].pop(rng.randrange(len(held[actor])))
+            if rng.random() < 0.7:
+                st.push(actor, [finish(s, n_tokens=1, version=version, reward=rng.choice([0.0, 1.0]))])
+            else:
+                st.push(actor, [abort(s, n_tokens=1, version=version)], early_stop=rng.random() < 0.5)
+        elif op < 0.8:
+            st.release_actor(actor)
+            held[actor] = []
+        else:
+            batch = st.try_get_batch()
+            if batch:
+                lag = max(version - int(s.versions.min()) for g in batch for s in g.samples)
+                assert lag <= eta
+                trained += [g.prompt_index for g in batch]
+                version += 1
+                st.set_version(version)
+        st.check_accounting()
+    assert len(trained) == len(set(trained)) > 4
+
+
+def test_state_dict_round_trip_folds_leases_back():
+    st = make_store(**{"async.max_staleness": 1})
+    work = st.lease("a", 3, 0)
+    st.push("a", [abort(work[0])])
+    held = st.lease("a", 2, 0)
+    held[1].extend(np.arange(4), -np.ones(4), np.zeros(4), "abort")  # actor-side progress, never pushed
+    state = st.state_dict()
+    fresh = make_store(**{"async.max_staleness": 1})
+    fresh.load_state_dict(state)
+    fresh.check_accounting()
+    assert fresh.leases == {} and fresh.cursor == st.cursor
+    assert work[0].uid in fresh.partials
+    got = fresh.lease("z", 100, 0)
+    assert {s.uid for s in held} <= {s.uid for s in got}
