@@ -93,6 +93,7 @@ class GenerationActor:
                 req = GenerateRequest(
                     request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/",
                     input_ids=sample.resume_input_ids(),
+                    prompt_len=len(sample.prompt_ids),
                     sampling=SamplingParams(
                         max_new_tokens=remaining,
                         temperature=r.temperature,

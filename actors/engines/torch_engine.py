@@ -1,0 +1,445 @@
+"""Built-in engine: continuous batching over a transformers causal LM with a KV cache.
+
+Thread model: one worker thread owns the model and runs the loop below; the
+asyncio side only enqueues work and awaits futures, so the actor stays
+responsive to `abort_all` / `update_weights` while a forward pass runs.
+
+    generate() --submit--> inbox --+--> worker: [commands] -> admit -> prefill -> decode step -> finish rows
+    abort_all() / update_weights() +        (commands run between steps; results go back with
+                                             loop.call_soon_threadsafe)
+
+The running batch is one left-padded `DynamicCache` ([B, H, T, D] per layer)
+plus a [B, T] attention mask. New requests are prefilled as their own
+left-padded batch and merged in by left-padding whichever cache is shorter;
+finished rows are dropped with `index_select` and all-pad leading columns are
+trimmed. Position ids are per row (count of real tokens), so padding never
+changes a row's numbers: logprobs match a teacher-forced forward to ~1e-6 in
+fp32 (tests/test_torch_engine.py).
+
+Sampling uses one `torch.Generator` per request seeded from
+`SamplingParams.seed`, so a request's tokens do not depend on its batch
+companions. The recorded logprob is log_softmax(logits / T)[token], taken
+before top-k / top-p (SGLang's convention). Each token is tagged with the
+weight version of the step that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from actors.engine import EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Row:
+    req: GenerateRequest
+    fut: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    seq: int
+    gen: torch.Generator
+    stop: frozenset[int]
+    length: int = 0
+    """Real (unpadded) tokens in the cache for this row, i.e. the next position id."""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+
+class TorchEngine:
+    """Continuous-batching engine on a Hugging Face causal LM (CPU or CUDA)."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        max_running: int = 64,
+        max_batch_tokens: int = 8192,
+        eos_token_ids: Iterable[int] | None = None,
+        num_threads: int | None = 1,
+        version: int = 0,
+    ) -> None:
+        if model_path is None and model is None:
+            raise ValueError("TorchEngine needs model_path (a Hugging Face model directory) or model")
+        if max_running < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_running ({max_running}) and max_batch_tokens ({max_batch_tokens}) must be >= 1")
+        self.model_path, self.device = model_path, torch.device(device)
+        self.dtype, self.attn_implementation = _DTYPES[dtype], attn_implementation
+        self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
+        self.num_threads = num_threads
+        self.model = model
+        self._eos = None if eos_token_ids is None else tuple(int(t) for t in eos_token_ids)
+        self._version = version
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._seq = itertools.count()
+        self._stats = EngineStats()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._seed_rng = np.random.default_rng()
+
+    # ---------------------------------------------------------------- asyncio side
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        if self.model is None:
+            self.model = await asyncio.to_thread(self._load)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        if self._eos is None:
+            eos = getattr(self.model.generation_config, "eos_token_id", None) or self.model.config.eos_token_id
+            self._eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.dtype, attn_implementation=self.attn_implementation
+        )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos or ()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._thread is None:
+            raise RuntimeError("TorchEngine.start() must be awaited before generate()")
+        sp = request.sampling
+        if sp.max_new_tokens < 1:
+            raise ValueError(f"{request.request_id}: max_new_tokens must be >= 1, got {sp.max_new_tokens}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        seed = sp.seed if sp.seed is not None else int(self._seed_rng.integers(2**62))
+        gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        stop = frozenset(sp.stop_token_ids or self.eos_token_ids)
+        row = _Row(request, fut, loop, next(self._seq), gen, stop)
+        self._submit(("gen", row))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            row.cancelled = True
+            self._wake.set()
+            raise
+
+    async def abort_all(self) -> None:
+        upto = next(self._seq)
+        await self._command("abort", lambda r: r.seq <= upto)
+
+    async def abort_requests(self, prefix: str) -> None:
+        """Abort live requests whose id starts with `prefix` (SGLang's /abort_request rid semantics)."""
+        await self._command("abort", lambda r: r.req.request_id.startswith(prefix))
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        await self._command("update", (buckets, version))
+
+    async def pause(self) -> None:
+        """Stop decoding between steps (running requests keep their cache) until `resume()`."""
+        await self._command("pause", True)
+
+    async def resume(self) -> None:
+        await self._command("pause", False)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens, s.prefill_tokens, dict(s.extra))
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        await self.abort_all()
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10)
+        self._thread = None
+
+    async def _command(self, kind: str, arg: Any) -> Any:
+        if self._thread is None:
+            raise RuntimeError(f"TorchEngine.start() must be awaited before {kind}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._submit((kind, (arg, fut, loop)))
+        return await fut
+
+    def _submit(self, item: tuple) -> None:
+        self._inbox.put(item)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- worker thread
+    def _worker(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        self._waiting: list[_Row] = []
+        self._running: list[_Row] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None
+        self._paused = False
+        last = time.perf_counter()
+        with torch.inference_mode():
+            while not self._stop:
+                self._drain_inbox()
+                self._drop_cancelled()
+                if not self._paused:
+                    self._admit()
+                if self._running and not self._paused:
+                    self._decode_step()
+                    now = time.perf_counter()
+                    self._stats.busy_s += now - last
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    now = time.perf_counter()
+                    self._stats.idle_s += now - last
+                last = now
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "gen":
+                self._waiting.append(arg)
+                continue
+            val, fut, loop = arg
+            try:
+                out = None
+                if kind == "abort":
+                    self._abort(val)
+                elif kind == "update":
+                    self._load_weights(*val)
+                elif kind == "pause":
+                    self._paused = val
+                loop.call_soon_threadsafe(_resolve, fut, out, None)
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+
+    def _abort(self, hit) -> None:
+        for r in self._running + self._waiting:
+            if hit(r):
+                self._finish(r, "abort")
+        self._select_rows([i for i, r in enumerate(self._running) if not hit(r)])
+        self._waiting = [r for r in self._waiting if not hit(r)]
+
+    def _drop_cancelled(self) -> None:
+        self._waiting = [r for r in self._waiting if not r.cancelled]
+        if any(r.cancelled for r in self._running):
+            self._select_rows([i for i, r in enumerate(self._running) if not r.cancelled])
+
+    def _load_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        named.update(dict(self.model.named_buffers()))
+        covered: set[int] = set()
+        for bucket in buckets:
+            for name, tensor in bucket.items():  # check the whole bucket before touching any weight
+                p = named.get(name)
+                if p is None:
+                    raise KeyError(f"weight update: {name!r} is not a parameter of the engine's model")
+                if p.shape != tensor.shape:
+                    raise ValueError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, model has {tuple(p.shape)}")
+            for name, tensor in bucket.items():
+                p = named[name]
+                p.data.copy_(tensor.to(device=p.device, dtype=p.dtype), non_blocking=True)
+                covered.add(id(p))
+        missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+        if missing:
+            raise ValueError(
+                f"weight update to version {version} left {len(missing)} parameters unchanged "
+                f"(e.g. {missing[:3]}); send every parameter of the model"
+            )
+        self._version = version
+        if self._running:
+            self._reprefill()
+
+    def _reprefill(self) -> None:
+        """Recompute the running rows' KV cache with the new weights, so every later token is exactly
+        the new policy's (SGLang flushes its cache for the same reason). The last sampled token is
+        not fed yet: the next decode step feeds it."""
+        from transformers import DynamicCache
+
+        seqs = [np.concatenate([np.asarray(r.req.input_ids, np.int64), np.asarray(r.ids[:-1], np.int64)])
+                for r in self._running]
+        T = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for i, (r, x) in enumerate(zip(self._running, seqs)):
+            ids[i, T - len(x) :] = torch.as_tensor(x)
+            mask[i, T - len(x) :] = 1
+            r.length = len(x)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                   use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        self._stats.prefill_tokens += sum(len(x) for x in seqs)
+        self._cache, self._mask = cache, mask
+
+    def _admit(self) -> None:
+        held = sum(r.length for r in self._running)
+        batch: list[_Row] = []
+        while self._waiting and len(self._running) + len(batch) < self.max_running:
+            n = len(self._waiting[0].req.input_ids)
+            if (self._running or batch) and held + n > self.max_batch_tokens:
+                break
+            batch.append(self._waiting.pop(0))
+            held += n
+        if batch:
+            self._prefill(batch)
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        from transformers import DynamicCache
+
+        lens = [len(r.req.input_ids) for r in rows]
+        T = max(lens)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, T - lens[i] :] = torch.as_tensor(np.asarray(r.req.input_ids), dtype=torch.long)
+            mask[i, T - lens[i] :] = 1
+            r.length = lens[i]
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: cache})
+        self._stats.prefill_tokens += sum(lens)
+        self._merge(rows, cache, mask)
+        self._sample_and_finish(out.logits[:, -1, :], len(self._running) - len(rows))
+
+    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor) -> None:
+        if not self._running:
+            self._running, self._cache, self._mask = list(rows), cache, mask
+            return
+        T_old, T_new = self._mask.shape[1], mask.shape[1]
+        T = max(T_old, T_new)
+        for old, new in zip(self._cache.layers, cache.layers):
+            old.keys = torch.cat([_lpad(old.keys, T), _lpad(new.keys, T)], 0)
+            old.values = torch.cat([_lpad(old.values, T), _lpad(new.values, T)], 0)
+        self._mask = torch.cat([_lpad(self._mask, T, dim=1), _lpad(mask, T, dim=1)], 0)
+        self._running.extend(rows)
+
+    def _decode_step(self) -> None:
+        rows = self._running
+        last = torch.tensor([[r.ids[-1]] for r in rows], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], 1)
+        out = self.model(input_ids=last, attention_mask=self._mask, position_ids=pos, use_cache=True,
+                         **{self._cache_kw: self._cache})
+        for r in rows:
+            r.length += 1
+        self._sample_and_finish(out.logits[:, -1, :], 0)
+
+    def _sample_and_finish(self, logits: torch.Tensor, first: int) -> None:
+        """Sample one token for rows[first:] from `logits` (one row each), then drop finished rows."""
+        rows = self._running[first:]
+        logits = logits.float()
+        temps = torch.tensor([r.req.sampling.temperature for r in rows], device=logits.device)
+        greedy = temps <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        logp = torch.log_softmax(scaled, -1)
+        tokens = []
+        for i, r in enumerate(rows):
+            sp = r.req.sampling
+            if greedy[i]:
+                tokens.append(int(logp[i].argmax()))
+                continue
+            lp = _filter(logp[i], sp) if (sp.top_k > 0 or sp.top_p < 1.0) else logp[i]
+            tokens.append(int(torch.multinomial(lp.exp(), 1, generator=r.gen)))
+        picked = logp[torch.arange(len(rows)), torch.tensor(tokens)].tolist()
+        self._stats.generated_tokens += len(rows)
+        keep = list(range(first))
+        for i, (r, tok, lp) in enumerate(zip(rows, tokens, picked)):
+            r.ids.append(tok)
+            r.logprobs.append(lp)
+            r.versions.append(self._version)
+            if tok in r.stop:
+                self._finish(r, "stop")
+            elif len(r.ids) >= r.req.sampling.max_new_tokens:
+                self._finish(r, "length")
+            else:
+                keep.append(first + i)
+        if len(keep) < len(self._running):
+            self._select_rows(keep)
+
+    def _select_rows(self, keep: list[int]) -> None:
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        lead = int((mask.sum(0) == 0).long().cumprod(0).sum())  # all-pad leading columns
+        self._mask = mask[:, lead:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, lead:]
+            layer.values = layer.values.index_select(0, idx)[:, :, lead:]
+
+    def _finish(self, r: _Row, reason: str) -> None:
+        res = GenerateResult(
+            request_id=r.req.request_id,
+            output_ids=np.asarray(r.ids, np.int64),
+            logprobs=np.asarray(r.logprobs, np.float32),
+            versions=np.asarray(r.versions, np.int64),
+            finish_reason=reason,  # type: ignore[arg-type]
+            prompt_tokens=len(r.req.input_ids),
+        )
+        r.loop.call_soon_threadsafe(_resolve, r.fut, res, None)
+
+
+def _resolve(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
+def _lpad(x: torch.Tensor, T: int, dim: int = 2) -> torch.Tensor:
+    """Left-pad `x` with zeros along `dim` to length T."""
+    n = T - x.shape[dim]
+    if n <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim)
+
+
+def _filter(logp: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Top-k then top-p on one row of logprobs; removed entries become -inf (sampling only)."""
+    out = logp
+    if sp.top_k > 0 and sp.top_k < out.numel():
+        kth = torch.topk(out, sp.top_k).values[-1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_lp, order = torch.sort(out, descending=True)
+        cum = sorted_lp.exp().cumsum(0)
+        drop = cum - sorted_lp.exp() > sp.top_p  # keep the smallest prefix reaching top_p
+        out = out.clone()
+        out[order[drop]] = float("-inf")
+    return out

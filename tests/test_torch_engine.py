@@ -1,0 +1,177 @@
+"""Torch engine exactness: every recorded logprob equals a teacher-forced forward of the weights that produced it.
+
+fp32, tolerance 1e-4, with many concurrent requests of different lengths joining
+at different decode steps, and across abort -> weight update -> resume and a
+weight update in the middle of decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from actors.engine import GenerateRequest, SamplingParams
+from actors.engines.torch_engine import TorchEngine
+from tests.sglang_standin import make_test_model_dir
+
+torch.set_num_threads(1)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(make_test_model_dir(tmp_path_factory.getbasetemp() / "tiny-engine-model"))
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir):
+    """Version 0 (the saved model) and version 1 (perturbed) state dicts."""
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    v0 = {k: v.clone() for k, v in m.state_dict().items()}
+    v1 = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in v0.items()}
+    return {0: v0, 1: v1}
+
+
+_MODELS: dict[int, torch.nn.Module] = {}
+
+
+def teacher_forced(model_dir, state, prompt, out_ids, temperature=1.0) -> np.ndarray:
+    if id(state) not in _MODELS:
+        _MODELS[id(state)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        _MODELS[id(state)].load_state_dict(state)
+    m = _MODELS[id(state)]
+    ids = torch.as_tensor(np.concatenate([prompt, out_ids]), dtype=torch.long)[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(m(ids).logits[0].float() / temperature, -1)
+    n = len(prompt)
+    return lp[n - 1 : -1].gather(-1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+def req(rid, prompt, max_new, seed, **kw):
+    return GenerateRequest(rid, np.asarray(prompt, np.int64), SamplingParams(max_new_tokens=max_new, seed=seed, **kw))
+
+
+def test_logprobs_exact_with_staggered_joins(model_dir, weights):
+    rng = np.random.default_rng(1)
+    reqs = [req(f"x{i:03d}#", rng.integers(4, 14, size=int(rng.integers(2, 25))), int(rng.integers(1, 50)), seed=i,
+                temperature=float(rng.choice([0.7, 1.0, 1.3])))
+            for i in range(24)]
+
+    async def main():
+        eng = TorchEngine(model_dir, max_running=8, max_batch_tokens=256, eos_token_ids=())
+        await eng.start()
+
+        async def one(i, r):
+            await asyncio.sleep(0.004 * i)  # join at different decode steps
+            return await eng.generate(r)
+
+        try:
+            return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))), eng.stats()
+        finally:
+            await eng.shutdown()
+
+    results, stats = asyncio.run(main())
+    for r, res in zip(reqs, results):
+        assert len(res.output_ids) == r.sampling.max_new_tokens and res.finish_reason == "length"
+        ref = teacher_forced(model_dir, weights[0], r.input_ids, res.output_ids, r.sampling.temperature)
+        np.testing.assert_allclose(res.logprobs, ref, atol=TOL, err_msg=r.request_id)
+    assert stats.generated_tokens == sum(r.sampling.max_new_tokens for r in reqs)
+    assert stats.busy_s > 0
+
+
+def test_abort_update_resume_each_token_matches_its_version(model_dir, weights):
+    prompt = np.array([1, 5, 9, 6, 15], np.int64)
+
+    async def main():
+        eng = TorchEngine(model_dir, max_running=4, eos_token_ids=())
+        await eng.start()
+        try:
+            others = [asyncio.create_task(eng.generate(req(f"o{i}#", prompt[: 2 + i], 400, seed=100 + i))) for i in range(3)]
+            task = asyncio.create_task(eng.generate(req("a0#", prompt, 400, seed=9)))
+            while eng.stats().generated_tokens < 40:
+                await asyncio.sleep(0.002)
+            await eng.abort_all()
+            part = await task
+            await asyncio.gather(*others)
+            await eng.update_weights([{k: v} for k, v in weights[1].items()], version=1)
+            rest = await eng.generate(req("a1#", np.concatenate([prompt, part.output_ids]), 400 - len(part.output_ids), seed=10))
+            return part, rest
+        finally:
+            await eng.shutdown()
+
+    part, rest = asyncio.run(main())
+    assert part.finish_reason == "abort" and 0 < len(part.output_ids) < 400
+    assert set(part.versions.tolist()) == {0} and set(rest.versions.tolist()) == {1}
+    assert len(part.output_ids) + len(rest.output_ids) == 400
+    np.testing.assert_allclose(part.logprobs, teacher_forced(model_dir, weights[0], prompt, part.output_ids), atol=TOL)
+    np.testing.assert_allclose(
+        rest.logprobs, teacher_forced(model_dir, weights[1], np.concatenate([prompt, part.output_ids]), rest.output_ids),
+        atol=TOL)
+
+
+def test_update_between_decode_steps_tags_each_token(model_dir, weights):
+    prompt = np.array([1, 7, 7, 8], np.int64)
+
+    async def main():
+        eng = TorchEngine(model_dir, eos_token_ids=())
+        await eng.start()
+        try:
+            task = asyncio.create_task(eng.generate(req("m0#", prompt, 300, seed=4)))
+            while eng.stats().generated_tokens < 20:
+                await asyncio.sleep(0.002)
+            await eng.update_weights([weights[1]], version=1)
+            return await task
+        finally:
+            await eng.shutdown()
+
+    res = asyncio.run(main())
+    v = res.versions
+    k = int(np.argmax(v == 1))
+    assert v[0] == 0 and v[-1] == 1 and 0 < k < 300 and np.all(v[:k] == 0) and np.all(v[k:] == 1)
+    for ver in (0, 1):
+        ref = teacher_forced(model_dir, weights[ver], prompt, res.output_ids)
+        np.testing.assert_allclose(res.logprobs[v == ver], ref[v == ver], atol=TOL)
+
+
+def test_same_seed_same_tokens_whatever_the_batch(model_dir):
+    target = req("t#", [1, 4, 5, 6], 40, seed=1234, top_k=8, top_p=0.9)
+
+    async def main():
+        eng = TorchEngine(model_dir, eos_token_ids=())
+        await eng.start()
+        try:
+            alone = await eng.generate(target)
+            crowd = [req(f"c{i}#", np.arange(4, 4 + 3 + i) % 14, 30 + i, seed=i) for i in range(12)]
+            *_, crowded = await asyncio.gather(*(eng.generate(r) for r in crowd), eng.generate(target))
+            return alone, crowded
+        finally:
+            await eng.shutdown()
+
+    alone, crowded = asyncio.run(main())
+    np.testing.assert_array_equal(alone.output_ids, crowded.output_ids)
+    np.testing.assert_allclose(alone.logprobs, crowded.logprobs, atol=TOL)
+
+
+def test_stop_token_and_weight_update_errors(model_dir, weights):
+    async def main():
+        eng = TorchEngine(model_dir)  # default stop: the model's eos
+        await eng.start()
+        try:
+            res = await eng.generate(req("s#", [1, 4], 500, seed=0))
+            partial = {k: v for k, v in list(weights[1].items())[:3]}
+            with pytest.raises(ValueError, match="left .* parameters unchanged"):
+                await eng.update_weights([partial], version=1)
+            with pytest.raises(KeyError, match="not a parameter"):
+                await eng.update_weights([{"nope.weight": torch.zeros(1)}], version=1)
+            return res, eng.eos_token_ids, eng.version
+        finally:
+            await eng.shutdown()
+
+    res, eos, version = asyncio.run(main())
+    assert res.finish_reason == "stop" and int(res.output_ids[-1]) in eos
+    assert version == 0
