@@ -136,18 +136,43 @@ class GenerationActor:
             await asyncio.gather(*list(self.inflight.values()), return_exceptions=True)
 
     # -- control from the controller ------------------------------------------------
-    async def update_weights(self, bucket_refs: list, version: int) -> float:
-        """Load weights `version` from object-store buckets; returns seconds spent."""
-        import ray
+    async def update_weights(self, payload, version: int) -> float:
+        """Load weights `version`: object-store bucket refs or a disk directory (see
+        learners/weight_sync.py), one bucket at a time. Returns seconds spent."""
+        from learners.weight_sync import iter_buckets
 
+        return await self._load(lambda: self.engine.update_weights(iter_buckets(payload), version))
+
+    async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:
+        """NCCL transport (GPU, SGLang engine): join the learner's broadcast group."""
+        if not hasattr(self.engine, "init_weights_update_group"):
+            raise RuntimeError(f"weight_sync.transport=nccl needs rollout.engine=sglang; {type(self.engine).__name__} cannot join an NCCL group")
+        self.engine.group_name = group_name
+        await self.engine.init_weights_update_group(master_addr, master_port, rank_offset, world_size)
+
+    async def update_weights_from_distributed(self, plan, version: int) -> float:
+        """NCCL transport: announce each bucket (names, dtypes, shapes) while learner rank 0 broadcasts it."""
+
+        async def load() -> None:
+            for i, bucket in enumerate(plan):
+                last = i == len(plan) - 1
+                await self.engine.update_weights_from_distributed(
+                    [s.name for s in bucket], [s.dtype for s in bucket], [list(s.shape) for s in bucket], version if last else None
+                )
+
+        return await self._load(load)
+
+    async def _load(self, load) -> float:
+        """Interrupt or drain per config, load, reopen leasing."""
         t0 = time.perf_counter()
         self.open.clear()
-        if self.cfg.rollout.on_weight_update == "interrupt":
-            await self.engine.abort_all()
-        await self._settle()
-        buckets = [await ref for ref in bucket_refs] if bucket_refs and isinstance(bucket_refs[0], ray.ObjectRef) else bucket_refs
-        await self.engine.update_weights(buckets, version)
-        self.open.set()
+        try:
+            if self.cfg.rollout.on_weight_update == "interrupt":
+                await self.engine.abort_all()
+            await self._settle()
+            await load()
+        finally:
+            self.open.set()
         self.weight_load_s = time.perf_counter() - t0
         return self.weight_load_s
 

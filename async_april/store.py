@@ -40,6 +40,7 @@ class _Counters:
     partial_resumed: int = 0
     aborted_tokens: int = 0
     aborted_tokens_reused: int = 0
+    aborted_tokens_discarded: int = 0
     stale_tokens_discarded: int = 0
     actor_failures: int = 0
     extra: Counter = field(default_factory=Counter)
@@ -150,8 +151,7 @@ class RolloutStore:
         if self.dynamic_sampling and self.n > 1 and np.ptp(rewards) <= 1e-6:
             self.filtered.append(group.prompt_index)
             self.counters.filtered_groups += 1
-            for s in group.samples:
-                self.aborted_len.pop(s.uid, None)
+            self._discard_aborted(group)
             return
         self.completed.append(group)
 
@@ -184,6 +184,7 @@ class RolloutStore:
             elif self.stale_policy == "drop":
                 self.dropped.append(g.prompt_index)
                 self.counters.dropped_groups += 1
+                self._discard_aborted(g)
             else:
                 self._requeue(g)
         self.completed = keep
@@ -192,11 +193,14 @@ class RolloutStore:
         """Regenerate a too-stale group from its prompt, first in line, so hard prompts are not starved."""
         self.counters.requeued_groups += 1
         self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
-        for s in g.samples:
-            self.aborted_len.pop(s.uid, None)
+        self._discard_aborted(g)
         fresh = [Sample(prompt_index=g.prompt_index, sample_index=s.sample_index, prompt_ids=s.prompt_ids, answer=s.answer) for s in g.samples]
         self.open_groups[g.prompt_index] = Group(prompt_index=g.prompt_index, samples=fresh)
         self.fresh.extendleft((g.prompt_index, i) for i in reversed(range(self.n)))
+
+    def _discard_aborted(self, g: Group) -> None:
+        """A group that will not be trained (filtered, dropped, requeued): its aborted tokens are discarded."""
+        self.counters.aborted_tokens_discarded += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
 
     def set_version(self, version: int) -> None:
         if version < self.version:
@@ -240,6 +244,8 @@ class RolloutStore:
             "rollout/partial_resumed": c.partial_resumed,
             "rollout/aborted_tokens": c.aborted_tokens,
             "rollout/aborted_tokens_reused": c.aborted_tokens_reused,
+            "rollout/aborted_tokens_pending": sum(self.aborted_len.values()),
+            "rollout/aborted_tokens_discarded": c.aborted_tokens_discarded,
             "rollout/stale_tokens_discarded": c.stale_tokens_discarded,
             "rollout/partial_buffer": len(self.partials),
             "rollout/completed_waiting": len(self.completed),

@@ -30,7 +30,8 @@ from async_april.config import Config, ConfigError, load_config, save_config
 from async_april.tracking import Tracker, progress
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config, on_step=None) -> Path:
+    """Run `cfg`; `on_step(step, batch, learner)`, if given, sees each trained batch (tests, tools)."""
     import ray
 
     from async_april.data import load_prompts
@@ -48,7 +49,7 @@ def train(cfg: Config) -> Path:
     started_ray = init_ray(cfg)
     tracker = Tracker(cfg, run_dir)
     try:
-        run_loop(cfg, model_path, dataset, tracker)
+        run_loop(cfg, model_path, dataset, tracker, on_step)
     finally:
         tracker.close()
         if started_ray:
@@ -56,15 +57,17 @@ def train(cfg: Config) -> Path:
     return run_dir
 
 
-def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker) -> None:
+def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=None) -> None:
     import ray
 
     from actors.generation import GenerationActor
     from async_april.store import RolloutStoreActor
     from learners.group import LearnerGroup
+    from learners.weight_sync import WeightSyncer
 
     store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, dataset)
     learner = LearnerGroup(cfg, model_path)
+    syncer = WeightSyncer.from_config(cfg)
     actors = [
         ray.remote(GenerationActor).options(num_cpus=1, max_concurrency=1000).remote(cfg, f"gen{i}", store, model_path)
         for i in range(cfg.rollout.num_actors)
@@ -83,8 +86,9 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker) -> None:
             t1 = time.perf_counter()
             metrics.update(learner.train_step(batch))
             t_train = time.perf_counter() - t1
-            metrics.update(learner.sync_weights(actors))
+            metrics.update(syncer.push(learner, actors, learner.version))
             ray.get(store.call.remote("set_version", learner.version))
+            ray.get(store.call.remote("check_accounting"))  # every prompt in exactly one state, or stop
             now = _actor_totals(actors)
             step_s = time.perf_counter() - t0
             metrics.update(ray.get(store.call.remote("metrics")))
@@ -93,6 +97,8 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker) -> None:
             metrics.update({"train/step": step, "train/policy_version": learner.version,
                             "timing_s/wait_data": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
             tracker.log(metrics)
+            if on_step is not None:
+                on_step(step, batch, learner)
     finally:
         ray.get([a.stop.remote() for a in actors])
         learner.shutdown()

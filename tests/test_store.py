@@ -150,7 +150,10 @@ def test_random_schedule_keeps_accounting_and_staleness():
                 version += 1
                 st.set_version(version)
         st.check_accounting()
+        c = st.counters  # no aborted token vanishes: trained, still waiting, or counted as discarded
+        assert c.aborted_tokens == c.aborted_tokens_reused + sum(st.aborted_len.values()) + c.aborted_tokens_discarded
     assert len(trained) == len(set(trained)) > 4
+    assert st.counters.aborted_tokens_reused > 0
 
 
 def test_state_dict_round_trip_folds_leases_back():

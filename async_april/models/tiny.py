@@ -1,0 +1,403 @@
+"""The built-in tiny model: a ~1M-parameter Qwen2 warm-started on digit reversal.
+
+It is built locally (no model hub) and saved as an ordinary Hugging Face
+directory, so engines and learners load it with `AutoModelForCausalLM` /
+`AutoTokenizer.from_pretrained` exactly like a user's real model.
+
+Build steps: a 19-token char-level tokenizer, a randomly initialised Qwen2
+(hidden 128, 4 layers), then a short supervised warm start (teacher-forced
+cross-entropy on the reversed digits + EOS) on prompts from a seed stream of
+its own, tuned so that sampled reward is well below 1 and RL has room to
+improve (sampled reward ~0.4, greedy ~0.6). The build is deterministic from the
+seed, takes ~35 s on one CPU thread and happens once, into
+`<cache_dir>/tiny-reverse-<hash>/`.
+
+Launch: `python -m async_april.models.tiny [--cache-dir D] [--seed S] [--force]`
+(or `async-april build-model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from async_april.rewards.reverse import reverse_match
+from async_april.tasks.reverse import LENGTH_BUCKETS, LENGTH_PROBS, sample_reverse_rows
+
+BUILTIN_NAME = "builtin:tiny-reverse"
+DEFAULT_CACHE_DIR = "~/.cache/async_april"
+MARKER = "BUILD_COMPLETE"
+"""Written last inside a finished build directory."""
+BUILD_VERSION = 1
+"""Bump when the build code changes in a way the settings below do not capture."""
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+VOCAB: tuple[str, ...] = (PAD, BOS, EOS, UNK, *"0123456789", "=", " ", "+", "-", ",")
+"""Token strings in id order: pad 0, bos 1, eos 2, unk 3, digits 4-13, then `=`, space, `+`, `-`, `,`."""
+
+# Seed streams derived from the build seed; the RL prompts use `make_reverse_rows(n, run.seed)`.
+_SFT_STREAM, _EVAL_STREAM = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyBuildSettings:
+    """Everything that determines the built model; hashed into its directory name."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    intermediate_size: int = 512
+    max_position_embeddings: int = 128
+    sft_steps: int = 100
+    sft_batch_size: int = 64
+    sft_lr: float = 2e-3
+    sft_micro_batches: int = 4
+    eval_prompts: int = 256
+    eval_max_new_tokens: int = 48
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer():
+    """A char-level `PreTrainedTokenizerFast`; `tok("12=")` gives `<s> 1 2 =`.
+
+    It is a byte-level BPE with single-character tokens and no merges: that is
+    exactly what transformers' `Qwen2Tokenizer` (which `AutoTokenizer` forces
+    for Qwen2 checkpoints) rebuilds from the saved files, so the built tokenizer
+    and the loaded one agree. Characters outside `VOCAB` are dropped.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {_byte_level(t): i for i, t in enumerate(VOCAB)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=128,
+    )
+    assert len(tok) == len(VOCAB), "special tokens must not add ids"
+    return tok
+
+
+def _byte_level(token: str) -> str:
+    """Byte-level BPE spelling of a vocab entry: space is `Ġ`, other printable ASCII is itself."""
+    return token if token.startswith("<") else token.replace(" ", "\u0120")
+
+
+# ------------------------------------------------------------------- model
+
+
+def _qwen2_config(tok, settings: TinyBuildSettings, overrides: dict):
+    from transformers import Qwen2Config
+
+    kwargs = dict(
+        vocab_size=len(tok),
+        hidden_size=settings.hidden_size,
+        num_hidden_layers=settings.num_hidden_layers,
+        num_attention_heads=settings.num_attention_heads,
+        num_key_value_heads=settings.num_key_value_heads,
+        intermediate_size=settings.intermediate_size,
+        max_position_embeddings=settings.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    kwargs.update(overrides)
+    return Qwen2Config(**kwargs)
+
+
+def _new_model(tok, settings: TinyBuildSettings, seed: int, overrides: dict):
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(_qwen2_config(tok, settings, overrides))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    return model.float()
+
+
+def _save(model, tok, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def build_random_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """Write tokenizer + randomly initialised tiny Qwen2 (no warm start) to `out_dir`.
+
+    For tests that need a real model quickly (~1 s). `overrides` go to
+    `Qwen2Config` (e.g. `num_hidden_layers=2`).
+    """
+    out = Path(out_dir).expanduser()
+    tok = build_tokenizer()
+    with _one_thread():
+        _save(_new_model(tok, TinyBuildSettings(), seed, overrides), tok, out)
+    return out
+
+
+# ------------------------------------------------------------- warm start
+
+
+def _sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `<s> digits = reversed </s>` with labels only on the response tokens."""
+    seqs, labels = [], []
+    for row in rows:
+        prompt = tok(row["prompt"])["input_ids"]
+        response = tok(row["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(prompt + response)
+        labels.append([-100] * len(prompt) + response)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(l)] = torch.tensor(l)
+        mask[i, : len(s)] = 1
+    return ids, mask, lab
+
+
+def _sft_step(model, tok, rows: list[dict], micro_batches: int) -> torch.Tensor:
+    """Accumulate the token-mean response cross-entropy of `rows`; returns the loss.
+
+    The rows are sorted by length and cut into `micro_batches` pieces so that
+    short rows are not padded to the longest one; the gradient is that of the
+    whole batch, since every piece is divided by the batch's token count.
+    """
+    rows = sorted(rows, key=lambda r: len(r["answer"]))
+    size = -(-len(rows) // micro_batches)
+    pieces = [_sft_batch(tok, rows[i : i + size]) for i in range(0, len(rows), size)]
+    num_tokens = sum(int((lab != -100).sum()) for _, _, lab in pieces)
+    total = torch.zeros(())
+    for ids, mask, lab in pieces:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # position t predicts token t+1
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
+                               ignore_index=-100, reduction="sum") / num_tokens
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def warm_start(model, tok, settings: TinyBuildSettings, seed: int, log_every: int = 20) -> float:
+    """Teacher-forced SFT on reversal rows from the build's own seed stream; returns the last loss."""
+    rng = np.random.default_rng([seed, _SFT_STREAM])
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr)
+    model.train()
+    start, loss = time.perf_counter(), torch.tensor(float("nan"))
+    for step in range(1, settings.sft_steps + 1):
+        opt.zero_grad(set_to_none=True)
+        rows = sample_reverse_rows(rng, settings.sft_batch_size)
+        loss = _sft_step(model, tok, rows, settings.sft_micro_batches)
+        opt.step()
+        if step % log_every == 0 or step == settings.sft_steps:
+            elapsed = time.perf_counter() - start
+            print(f"[tiny-reverse] sft step {step}/{settings.sft_steps} loss {loss.item():.4f} "
+                  f"elapsed {elapsed:.1f}s", flush=True)
+    model.eval()
+    return float(loss.item())
+
+
+@torch.no_grad()
+def evaluate(model, tok, rows: list[dict], sample: bool, seed: int = 0, max_new_tokens: int = 48,
+             batch_size: int = 128) -> float:
+    """Mean `reverse_match` reward of generations (temperature-1 sampling or greedy) on `rows`."""
+    torch.manual_seed(seed)
+    model.eval()
+    tok.padding_side = "left"
+    rewards = []
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i : i + batch_size]
+        enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=1.0 if sample else None,
+            top_k=0 if sample else None,
+            top_p=1.0 if sample else None,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        rewards += [reverse_match(r["prompt"], t, r["answer"]) for r, t in zip(chunk, texts)]
+    return float(np.mean(rewards))
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0,
+                     settings: TinyBuildSettings = TinyBuildSettings()) -> dict:
+    """Build the warm-started tiny model into `out_dir`; returns the build info (also in build_info.json)."""
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    tok = build_tokenizer()
+    with _one_thread():
+        model = _new_model(tok, settings, seed, {})
+        final_loss = warm_start(model, tok, settings, seed)
+        sft_s = time.perf_counter() - t0
+        eval_rows = sample_reverse_rows(np.random.default_rng([seed, _EVAL_STREAM]), settings.eval_prompts)
+        sampled = evaluate(model, tok, eval_rows, sample=True, seed=seed,
+                           max_new_tokens=settings.eval_max_new_tokens)
+        greedy = evaluate(model, tok, eval_rows, sample=False, max_new_tokens=settings.eval_max_new_tokens)
+        _save(model, tok, out)
+    info = {
+        "name": BUILTIN_NAME,
+        "seed": seed,
+        "build_version": BUILD_VERSION,
+        "settings": dataclasses.asdict(settings),
+        "length_buckets": LENGTH_BUCKETS,
+        "length_probs": LENGTH_PROBS,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "sft_final_loss": final_loss,
+        "eval_sampled_reward": sampled,
+        "eval_greedy_reward": greedy,
+        "sft_seconds": round(sft_s, 1),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "torch_version": torch.__version__,
+    }
+    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+# ------------------------------------------------------------------ cache
+
+
+def build_hash(seed: int, settings: TinyBuildSettings) -> str:
+    """Short hash of the build settings, the task's length mix, the vocab and the seed."""
+    key = {
+        "v": BUILD_VERSION,
+        "seed": seed,
+        "settings": dataclasses.asdict(settings),
+        "buckets": LENGTH_BUCKETS,
+        "probs": LENGTH_PROBS,
+        "vocab": VOCAB,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # no flock: racing builds still end in one complete directory
+        yield
+        return
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, force: bool = False,
+                      **settings_overrides) -> Path:
+    """Path of the built tiny model, building it first if missing (or if `force`).
+
+    The build goes into a unique temporary directory that is renamed into
+    place only once complete, so an interrupted build never leaves a half
+    model. `settings_overrides` replace `TinyBuildSettings` fields (tests use
+    `sft_steps=3`); they are part of the directory hash.
+    """
+    settings = dataclasses.replace(TinyBuildSettings(), **settings_overrides)
+    root = Path(cache_dir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"tiny-reverse-{build_hash(seed, settings)}"
+    if (target / MARKER).exists() and not force:
+        return target
+    with _file_lock(root / f".{target.name}.lock"):
+        if (target / MARKER).exists() and not force:
+            return target  # another process built it while we waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+        try:
+            print(f"[tiny-reverse] building {target} (seed {seed}, {settings.sft_steps} SFT steps)",
+                  flush=True)
+            build_tiny_model(tmp, seed, settings)
+            (tmp / MARKER).write_text("ok\n")
+            if target.exists():  # stale, incomplete or forced: move it aside first
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=root))
+                os.replace(target, old / "model")
+                shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if not (target / MARKER).exists():  # lost a race to an incomplete directory
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(path: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
+    """`builtin:tiny-reverse` -> the built tiny model; otherwise the local Hugging Face directory `path`."""
+    if path == BUILTIN_NAME:
+        return ensure_tiny_model(cache_dir)
+    hint = f"set model.path to a Hugging Face model directory or {BUILTIN_NAME}"
+    if path.startswith("builtin:"):
+        raise ValueError(f"model.path {path!r} is not a built-in model; {hint}")
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        raise FileNotFoundError(f"model.path {path!r} does not exist; {hint}")
+    if not (local / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path!r} has no config.json; {hint}")
+    return local
+
+
+# -------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find) the tiny model and print its path and warm-start figures."""
+    parser = argparse.ArgumentParser(prog="async-april build-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                        help="cache directory (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="build seed (default %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
+    args = parser.parse_args(argv)
+    path = ensure_tiny_model(args.cache_dir, args.seed, force=args.force)
+    info = json.loads((path / "build_info.json").read_text())
+    print(path)
+    print(f"params {info['num_params']:,}  sampled reward {info['eval_sampled_reward']:.3f}  "
+          f"greedy reward {info['eval_greedy_reward']:.3f}  build {info['build_seconds']}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Driver side of the learner: one Ray actor per FSDP2 rank, in one placement group.
+
+    LearnerGroup(cfg, model_path)
+      placement group: world_size bundles ({"CPU": 1} or {"GPU": 1, "CPU": 1}), PACK
+      a task on bundle 0 picks (node ip, free port) -> every rank's MASTER_ADDR/PORT
+      LearnerWorker actor per rank (num_cpus=1, OMP_NUM_THREADS=1)
+    train_step(batch) -> every rank gets the same batch ref and takes its shard; rank 0's metrics
+    weight_buckets(bucket_mb) -> ObjectRefs put by rank 0 (all ranks gather collectively)
+
+Every method calls all ranks at once (the work is collective) and returns rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from learners.weight_sync import TensorSpec, plan_buckets
+from learners.worker import LearnerWorker
+
+if TYPE_CHECKING:
+    from async_april.batch import TrainBatch
+    from async_april.config import Config
+
+
+def _node_ip_and_free_port() -> tuple[str, int]:
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return ip, s.getsockname()[1]
+
+
+class LearnerGroup:
+    """`world_size` LearnerWorker actors sharing one FSDP2 process group."""
+
+    def __init__(self, cfg: "Config", model_path: str, *, ready_timeout_s: float = 600.0) -> None:
+        self.cfg = cfg
+        lc = cfg.learner
+        self.world_size = lc.world_size
+        use_gpu = lc.device == "cuda" or (lc.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=ready_timeout_s)
+
+        def on(i: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
+
+        addr, port = ray.get(
+            ray.remote(num_cpus=0)(_node_ip_and_free_port).options(scheduling_strategy=on(0)).remote()
+        )
+        actor_cls = ray.remote(LearnerWorker)
+        env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+        self.workers = [
+            actor_cls.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=on(r), runtime_env=env,
+                name=None, max_concurrency=1,
+            ).remote(cfg, str(model_path), r, self.world_size, addr, port)
+            for r in range(self.world_size)
+        ]  # fmt: skip
+        self._version = ray.get(self.workers[0].get_version.remote())  # waits for every rank's init via rendezvous
+        ray.get([w.get_version.remote() for w in self.workers])
+        self._specs: list[TensorSpec] | None = None
+        self.last_export_bytes = 0
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, batch: "TrainBatch") -> dict[str, float]:
+        ref = ray.put(batch)
+        metrics = self._all("train_step", ref)[0]
+        self._version = int(metrics["train/policy_version"])
+        return metrics
+
+    def weight_plan(self, bucket_mb: float) -> list[list[TensorSpec]]:
+        if self._specs is None:
+            self._specs = ray.get(self.workers[0].weight_specs.remote())
+        return plan_buckets(self._specs, bucket_mb)
+
+    def weight_buckets(self, bucket_mb: float) -> list[ray.ObjectRef]:
+        """Full weights as bucket ObjectRefs (owned by rank 0), in order."""
+        self.last_export_bytes = sum(s.nbytes for b in self.weight_plan(bucket_mb) for s in b)
+        return self._all("weight_buckets", bucket_mb)[0]
+
+    def write_weights(self, root: str, bucket_mb: float, version: int) -> str:
+        return self._all("write_weights", root, bucket_mb, version)[0]
+
+    def free_port_on_rank0(self) -> tuple[str, int]:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=0)
+        return ray.get(ray.remote(num_cpus=0)(_node_ip_and_free_port).options(scheduling_strategy=strategy).remote())
+
+    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
+        ray.get(self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name))
+
+    def broadcast_weights(self, bucket_mb: float) -> None:
+        self._all("broadcast_weights", bucket_mb)
+
+    def full_state_dict(self) -> dict:
+        return self._all("full_state_dict")[0]
+
+    def full_optimizer_state_dict(self) -> dict:
+        return self._all("full_optimizer_state_dict")[0]
+
+    def peak_mem_gb(self) -> list[float]:
+        return self._all("peak_mem_gb")
+
+    def save_checkpoint(self, path: str) -> None:
+        self._all("save_checkpoint", str(path))
+
+    def load_checkpoint(self, path: str) -> dict[str, int]:
+        state = self._all("load_checkpoint", str(path))[0]
+        self._version = state["version"]
+        return state
+
+    def export_hf(self, path: str) -> str:
+        return self._all("export_hf", str(path))[0]
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        except Exception:  # noqa: BLE001 - a dead rank must not prevent cleanup
+            pass
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)
+        self.workers = []

@@ -1,0 +1,118 @@
+"""Per-token logprobs of given tokens, the way the engines report them.
+
+`token_logprobs` is a pure function: log_softmax(logits / T) gathered at the
+target token, computed in chunks of positions as `logit - logsumexp` so the
+full [tokens, vocab] log-softmax is never held at once. `response_logprobs`
+runs a model on a right-padded micro-batch and returns the logprobs of the
+response tokens only, aligned with `behavior_logprobs` ([B, Tresp], zero on
+padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+CHUNK_TOKENS = 2048
+"""Positions per chunk in `token_logprobs`: bounds the fp32 [chunk, vocab] temporaries."""
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[..., targets] in fp32, shape of `targets`.
+
+    logits: [..., V]; targets: [...] token ids. Differentiable.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    shape = targets.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1, 1)
+    out = []
+    for start in range(0, flat_logits.shape[0], CHUNK_TOKENS):
+        chunk = flat_logits[start : start + CHUNK_TOKENS].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        picked = chunk.gather(-1, flat_targets[start : start + CHUNK_TOKENS]).squeeze(-1)
+        out.append(picked - torch.logsumexp(chunk, dim=-1))
+    if not out:
+        return logits.new_zeros(shape, dtype=torch.float32)
+    return torch.cat(out).reshape(shape)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded rows of one micro-batch, as tensors on the learner's device."""
+
+    input_ids: torch.Tensor
+    """[B, L] prompt + response, right-padded with `pad_id`."""
+    attention_mask: torch.Tensor
+    """[B, L] 1 on real tokens."""
+    prompt_lens: torch.Tensor
+    """[B] response tokens of row i start at position prompt_lens[i]."""
+    response_mask: torch.Tensor
+    """[B, Tresp] 1 on real response tokens."""
+    behavior_logprobs: torch.Tensor
+    """[B, Tresp] exactly as recorded by the engines (zero on padding)."""
+    advantages: torch.Tensor
+    """[B]"""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def collate(
+    input_ids: list[np.ndarray],
+    prompt_lens: np.ndarray,
+    behavior_logprobs: list[np.ndarray],
+    advantages: np.ndarray,
+    device: torch.device | str = "cpu",
+    pad_id: int = 0,
+) -> MicroBatch:
+    """Right-pad a list of rows into a `MicroBatch`."""
+    n = len(input_ids)
+    seq_len = max(len(x) for x in input_ids)
+    resp_len = max(max((len(b) for b in behavior_logprobs), default=0), 1)
+    ids = np.full((n, seq_len), pad_id, np.int64)
+    attn = np.zeros((n, seq_len), np.int64)
+    rmask = np.zeros((n, resp_len), np.float32)
+    blp = np.zeros((n, resp_len), np.float32)
+    for i, (x, b) in enumerate(zip(input_ids, behavior_logprobs)):
+        if len(x) != int(prompt_lens[i]) + len(b):
+            raise ValueError(f"row {i}: {len(x)} tokens but prompt {int(prompt_lens[i])} + response {len(b)}")
+        ids[i, : len(x)] = x
+        attn[i, : len(x)] = 1
+        rmask[i, : len(b)] = 1.0
+        blp[i, : len(b)] = b
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return MicroBatch(t(ids), t(attn), t(np.asarray(prompt_lens, np.int64)), t(rmask), t(blp), t(np.asarray(advantages, np.float32)))
+
+
+def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Logprobs [B, Tresp] of each row's response tokens under `model`, zero on padding.
+
+    Only the logits from the first response-predicting position on are
+    computed (`logits_to_keep`), so long prompts cost no vocab projection.
+    """
+    seq_len = mb.input_ids.shape[1]
+    resp_len = mb.response_mask.shape[1]
+    # Position p predicts token p+1; the first response token of row i is predicted at prompt_lens[i]-1.
+    first = int(mb.prompt_lens.min()) - 1
+    if first < 0:
+        raise ValueError("every row needs at least one prompt token")
+    keep = seq_len - first
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep, use_cache=False).logits
+    # logits[:, j] sits at position first + j and predicts the token at first + j + 1.
+    targets = torch.zeros_like(mb.input_ids[:, first:])
+    targets[:, :-1] = mb.input_ids[:, first + 1 :]
+    lp = token_logprobs(logits, targets, temperature)  # [B, keep]
+    offs = (mb.prompt_lens - 1 - first).unsqueeze(1) + torch.arange(resp_len, device=lp.device).unsqueeze(0)
+    offs = offs.clamp(max=keep - 1)
+    return lp.gather(1, offs) * mb.response_mask

@@ -1,0 +1,411 @@
+"""One learner rank: FSDP2 model, optimizer, micro-batched IS-corrected update.
+
+A plain class: `LearnerGroup` wraps it in one Ray actor per rank, and it also
+runs under torchrun or in a single process (world_size=1) for tests.
+
+    train_step(batch):
+        rows of this rank = batch.shard(rank, world)      global_tokens / sequences from the FULL batch
+        micro-batches by token budget (same count on every rank; empty ones run a zero-loss forward)
+        for each micro-batch: logprobs (grad) [+ proximal = logprobs.detach()] [+ ref, no grad]
+                              loss = policy_loss(..., behaviour logprobs exactly as sampled)
+                              loss.backward()            FSDP2 reduce-scatters, SUM over ranks
+        clip grad norm -> finite?  optimizer + scheduler step, version += 1
+                                   else skip (zero grads), count consecutive bad steps
+
+Every method that touches the model is collective: call it on all ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from learners import checkpoint as ckpt
+from learners.logprobs import collate, response_logprobs
+from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
+from learners.weight_sync import TensorSpec, plan_buckets
+
+if TYPE_CHECKING:
+    from async_april.batch import TrainBatch
+    from async_april.config import Config
+
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+    "RTX 4090": 165.0,
+}
+"""Dense bf16 peak TFLOP/s by a substring of `torch.cuda.get_device_name()` (first match wins)."""
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Greedy packing of row indices (longest first) so rows x longest row stays within `max_tokens`.
+
+    A row longer than the budget goes alone in its own micro-batch.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in np.argsort(-np.asarray(lengths), kind="stable"):
+        n = int(lengths[i])
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(int(i))
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+class LearnerWorker:
+    """One FSDP2 rank. See the module docstring for the step."""
+
+    def __init__(
+        self,
+        cfg: "Config",
+        model_path: str,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+    ) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.model_path = str(model_path)
+        lc = cfg.learner
+        want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if want == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("learner.device=cuda but no CUDA device is visible to this rank; set learner.device=cpu")
+        if want == "cuda":
+            # Under Ray each rank sees only its own GPU; under torchrun all of them (pick LOCAL_RANK).
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+
+        from transformers import AutoModelForCausalLM
+
+        seed = cfg.run.seed
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        import random
+
+        random.seed(seed)
+        attn = resolve_attn_implementation(cfg.model.attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
+        self.hf_config = model.config
+        self.num_params = sum(p.numel() for p in model.parameters())
+        ref = None
+        if cfg.algorithm.kl_coef > 0:
+            ref = copy.deepcopy(model).requires_grad_(False).eval()
+        model.train()
+        self.mesh = make_mesh(self.device.type, world_size)
+        gpu = self.device.type == "cuda"
+        self.model = parallelize(
+            model, self.mesh, mixed_precision=gpu, activation_checkpointing=lc.activation_checkpointing, compile=lc.compile
+        )
+        self.ref_model = parallelize(ref, self.mesh, mixed_precision=gpu) if ref is not None else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=1e-8
+        )
+        warmup = lc.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: 1.0 if warmup == 0 else min(1.0, (s + 1) / warmup)
+        )
+        from async_april.algorithms.losses import LossSettings
+
+        self.loss_settings = LossSettings.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+        self.step = 0
+        self.version = 0
+        self.bad_steps = 0
+        self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+
+    # ------------------------------------------------------------------ train
+
+    def train_step(self, batch: "TrainBatch") -> dict[str, float]:
+        """One optimizer update on `batch` (the FULL step batch; each rank takes its shard)."""
+        from async_april.algorithms.losses import policy_loss
+
+        t0 = time.perf_counter()
+        if len(batch) == 0 or batch.num_response_tokens == 0:
+            raise ValueError("train_step got a batch with no response tokens")
+        global_tokens, global_sequences = float(batch.num_response_tokens), float(len(batch))
+        local = batch.shard(self.rank, self.world_size)
+        lengths = np.array([len(x) for x in local.input_ids], np.int64)
+        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch)
+        n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
+        temperature = self.cfg.rollout.temperature
+        decoupled = self.cfg.algorithm.correction == "decoupled"
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        per_micro: list[dict[str, float]] = []
+        tokens = 0
+        for i in range(n_micro):
+            if i >= len(groups):
+                self._zero_loss_backward()  # keeps FSDP collectives in step with ranks that have more rows
+                continue
+            sub = local.select(groups[i])
+            mb = collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id)
+            tokens += mb.num_tokens
+            ref_lp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_lp = response_logprobs(self.ref_model, mb, temperature)
+            logprobs = response_logprobs(self.model, mb, temperature)
+            # One optimizer update per batch: the pre-update (proximal) policy IS the current
+            # parameters, so its logprobs are these values without gradient -- no second forward.
+            prox = logprobs.detach() if decoupled else None
+            loss, metrics = policy_loss(
+                logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, self.loss_settings,
+                global_tokens, global_sequences, proximal_logprobs=prox, ref_logprobs=ref_lp,
+            )  # fmt: skip
+            loss.backward()
+            loss_sum += loss.detach().double().cpu()
+            per_micro.append({k: float(v) for k, v in metrics.items()})
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        gathered = self._gather_objects(
+            {"micro": per_micro, "loss": float(loss_sum), "tokens": tokens, "peak_mem_gb": self.peak_mem_gb()}
+        )
+        total_loss = sum(g["loss"] for g in gathered)
+        bad = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            if self.bad_steps >= self.cfg.learner.max_bad_steps:
+                raise RuntimeError(
+                    f"{self.bad_steps} consecutive learner steps had a non-finite loss ({total_loss}) or gradient "
+                    f"norm ({grad_norm}) and were skipped; stopping (learner.max_bad_steps="
+                    f"{self.cfg.learner.max_bad_steps}). Check advantages/rewards for NaN, lower learner.lr, "
+                    "or raise learner.max_bad_steps"
+                )
+        else:
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            self.bad_steps = 0
+        self.step += 1
+        elapsed = time.perf_counter() - t0
+        out = merge_rank_metrics([m for g in gathered for m in g["micro"]])
+        all_tokens = sum(g["tokens"] for g in gathered)
+        out.update({
+            "loss/total": total_loss,
+            "train/grad_norm": grad_norm,
+            "train/lr": self.scheduler.get_last_lr()[0] if bad else lr,
+            "train/policy_version": float(self.version),
+            "train/bad_step": float(bad),
+            "train/consecutive_bad_steps": float(self.bad_steps),
+            "train/response_tokens": global_tokens,
+            "train/micro_batches": float(n_micro),
+            "perf/learner_tokens_per_s": all_tokens / elapsed,
+            "perf/peak_mem_gb": max(g["peak_mem_gb"] for g in gathered),
+            "timing_s/train": elapsed,
+        })  # fmt: skip
+        if self.device.type == "cuda":
+            peak = peak_flops(torch.cuda.get_device_name(self.device))
+            if peak:
+                out["perf/mfu"] = 6.0 * self.num_params * all_tokens / elapsed / (peak * self.world_size)
+        return out
+
+    def _zero_loss_backward(self) -> None:
+        dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                self.ref_model(input_ids=dummy, use_cache=False)
+        logits = self.model(input_ids=dummy, use_cache=False).logits
+        (logits.float().sum() * 0.0).backward()
+
+    def _all_reduce_int(self, value: int, op: dist.ReduceOp) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return int(t.item())
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def peak_mem_gb(self) -> float:
+        """Peak memory of this rank: CUDA max allocated on GPU, process max RSS on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+    # ------------------------------------------------------------- weights out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 CPU tensors on rank 0, {} elsewhere. Collective."""
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.rank == 0 else {}
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        """Full optimizer state (CPU) on rank 0, {} elsewhere. Collective; for tests and tools."""
+        osd = get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return osd if self.rank == 0 else {}
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Name, export dtype and full shape of every tensor sent to the engines, in send order."""
+        dtype = getattr(torch, self.cfg.model.dtype)
+        # Tied parameters (lm_head = embed_tokens) travel once, under their first name: engines
+        # share the storage too (TorchEngine covers them by identity, SGLang skips a tied lm_head).
+        every = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        tied = every - {n for n, _ in self.model.named_parameters()}
+        return [
+            TensorSpec(name, str(dtype if t.is_floating_point() else t.dtype).removeprefix("torch."), tuple(t.shape))
+            for name, t in self.model.state_dict().items()
+            if name not in tied
+        ]
+
+    def iter_weight_buckets(self, bucket_mb: float, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+        """Yield full-weight buckets (rank 0 gets tensors, other ranks empty dicts). Collective.
+
+        Tensors are gathered one at a time in bucket order, so rank 0 holds at
+        most one bucket of full tensors at once.
+        """
+        sd = self.model.state_dict()
+        for bucket in plan_buckets(self.weight_specs(), bucket_mb):
+            out: dict[str, torch.Tensor] = {}
+            for spec in bucket:
+                t = sd[spec.name]
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if self.rank == 0:
+                    out[spec.name] = full.detach().to(device=device, dtype=getattr(torch, spec.dtype))
+            yield out
+
+    def weight_buckets(self, bucket_mb: float) -> list[Any]:
+        """Put each bucket in the Ray object store; rank 0 returns the ObjectRefs in order, others []."""
+        import ray
+
+        refs = []
+        for bucket in self.iter_weight_buckets(bucket_mb):
+            if self.rank == 0:
+                refs.append(ray.put(bucket))
+        return refs
+
+    def write_weights(self, root: str, bucket_mb: float, version: int) -> str | None:
+        """Disk transport: rank 0 writes safetensors buckets + manifest under root/v{version}. Collective."""
+        from learners.weight_sync import DiskBucketWriter
+
+        writer = DiskBucketWriter(root, version) if self.rank == 0 else None
+        for bucket in self.iter_weight_buckets(bucket_mb):
+            if writer is not None:
+                writer.add(bucket)
+        return writer.commit() if writer is not None else None
+
+    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
+        """NCCL transport, rank 0 only: join the learner->engines broadcast group as its rank 0."""
+        from learners.weight_sync import init_broadcast_group
+
+        if self.rank == 0:
+            self._bcast_group = init_broadcast_group(master_addr, master_port, world_size, 0, group_name)
+
+    def broadcast_weights(self, bucket_mb: float) -> None:
+        """NCCL transport: gather each bucket (all ranks), rank 0 broadcasts it to the engines."""
+        for bucket in self.iter_weight_buckets(bucket_mb, device=str(self.device)):
+            if self.rank == 0:
+                for t in bucket.values():
+                    dist.broadcast(t, src=0, group=self._bcast_group)
+                torch.cuda.synchronize()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer (DCP) and this rank's scheduler, RNG, step, version. Collective."""
+        extra = {"step": self.step, "version": self.version, "bad_steps": self.bad_steps}
+        ckpt.save(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, extra)
+
+    def load_checkpoint(self, path: str) -> dict[str, int]:
+        extra = ckpt.load(path, self.model, self.optimizer, self.scheduler, self.rank)
+        self.step, self.version, self.bad_steps = int(extra["step"]), int(extra["version"]), int(extra["bad_steps"])
+        return {"step": self.step, "version": self.version}
+
+    def export_hf(self, path: str) -> str | None:
+        """Rank 0 writes a Hugging Face model directory (weights in model.dtype + tokenizer). Collective."""
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(self.hf_config)
+        shell.load_state_dict(sd, assign=True, strict=False)
+        shell.tie_weights()
+        shell.save_pretrained(out)
+        for f in Path(self.model_path).iterdir():  # tokenizer, generation config, chat template
+            if f.is_file() and not f.name.startswith(("model", "config.json", "pytorch_model")) and f.suffix != ".safetensors":
+                if not (out / f.name).exists():
+                    shutil.copy2(f, out / f.name)
+        return str(out)
+
+    # ----------------------------------------------------------------- misc
+
+    def get_version(self) -> int:
+        return self.version
+
+    def set_version(self, version: int) -> None:
+        self.version = int(version)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def merge_rank_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-micro-batch loss metrics from all ranks: `_tokens`-weighted means, max for `_max`."""
+    if not metrics:
+        return {}
+    tokens = [m.get("_tokens", 0.0) for m in metrics]
+    total = sum(tokens)
+    out: dict[str, float] = {"loss/tokens": total}
+    for key in metrics[0]:
+        if key == "_tokens":
+            continue
+        if key.endswith("_max"):
+            out[key] = max(m[key] for m in metrics)
+        else:
+            out[key] = sum(m[key] * n for m, n in zip(metrics, tokens)) / max(total, 1.0)
+    return out

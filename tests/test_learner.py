@@ -1,0 +1,256 @@
+"""FSDP2 learner: rank equivalence, micro-batch accumulation, resume, bad steps, HF export.
+
+Tiny random Qwen2 (hidden 64, 2 layers), fp32, gloo on CPU. Single-rank
+workers run in this process (no Ray); multi-rank ones as a LearnerGroup of
+Ray actors in a cluster started (and stopped) by this module only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from async_april.batch import TrainBatch
+from async_april.config import Config, config_from_dict
+from learners.logprobs import collate, response_logprobs, token_logprobs
+from learners.worker import LearnerWorker, pack_micro_batches
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+TEMPERATURE = 0.9
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    from async_april.models import build_random_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    return str(build_random_tiny_model(out, seed=0, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2))
+
+
+def make_cfg(**learner) -> Config:
+    base = {"lr": 1e-3, "weight_decay": 0.01, "warmup_steps": 2, "grad_clip": 1.0}
+    base.update(learner)
+    return config_from_dict({"learner": base, "rollout": {"temperature": TEMPERATURE}, "run": {"seed": 7}})
+
+
+def make_batch(model_path: str, seed: int, n: int = 8, nan_advantages: bool = False) -> TrainBatch:
+    """Random rows; behaviour logprobs = initial-model logprobs + small noise; random advantages."""
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    ids, plens, resp = [], [], []
+    for _ in range(n):
+        p, r = int(rng.integers(2, 7)), int(rng.integers(1, 12))
+        ids.append(rng.integers(1, vocab, p + r).astype(np.int64))
+        plens.append(p)
+        resp.append(np.zeros(r, np.float32))
+    plens = np.array(plens, np.int64)
+    with torch.no_grad():
+        mb = collate(ids, plens, resp, np.zeros(n, np.float32))
+        lp = response_logprobs(model, mb, TEMPERATURE).numpy()
+    blp = [(lp[i, : len(resp[i])] + rng.normal(0, 0.05, len(resp[i]))).astype(np.float32) for i in range(n)]
+    adv = rng.normal(size=n).astype(np.float32)
+    if nan_advantages:
+        adv[0] = np.nan
+    return TrainBatch(ids, plens, blp, [np.zeros(len(b), np.int64) for b in blp], adv, policy_version=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_worker(cfg: Config, model_path: str):
+    """A world-size-1 LearnerWorker in this process (its own gloo group, destroyed after)."""
+    w = LearnerWorker(cfg, model_path, 0, 1, "127.0.0.1", free_port())
+    try:
+        yield w
+    finally:
+        w.shutdown()
+
+
+def assert_close_dicts(a: dict, b: dict, atol: float) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_close_dicts(a[k], b[k], atol)
+        elif isinstance(a[k], torch.Tensor):
+            torch.testing.assert_close(a[k].float(), b[k].float(), atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+        elif isinstance(a[k], (list, tuple)):
+            assert len(a[k]) == len(b[k])
+            for x, y in zip(a[k], b[k]):
+                assert_close_dicts(x, y, atol) if isinstance(x, dict) else None
+        else:
+            assert a[k] == pytest.approx(b[k], abs=atol), k
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def test_token_logprobs_is_tempered_log_softmax():
+    logits = torch.randn(3, 5, 11)
+    targets = torch.randint(0, 11, (3, 5))
+    want = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(token_logprobs(logits, targets, 0.7), want)
+
+
+def test_pack_micro_batches_respects_budget():
+    lengths = np.array([5, 9, 3, 30, 7, 7, 2])
+    groups = pack_micro_batches(lengths, 16)
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    for g in groups:
+        assert len(g) == 1 or len(g) * lengths[g].max() <= 16  # the 30-token row goes alone
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def test_microbatch_accumulation_equivalence(model_path):
+    batch = make_batch(model_path, seed=1)
+    lengths = np.array([len(x) for x in batch.input_ids])
+    budget = next(b for b in range(16, 1000) if len(pack_micro_batches(lengths, b)) == 4)
+    results = []
+    for tokens in (100_000, budget):
+        with local_worker(make_cfg(max_tokens_per_microbatch=tokens), model_path) as w:
+            m = w.train_step(batch)
+            results.append((m, w.full_state_dict()))
+    (m1, sd1), (m4, sd4) = results
+    assert m1["train/micro_batches"] == 1 and m4["train/micro_batches"] == 4
+    assert m4["loss/total"] == pytest.approx(m1["loss/total"], abs=1e-5)
+    assert m4["loss/policy"] == pytest.approx(m1["loss/policy"], abs=1e-5)
+    assert m4["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], abs=1e-5)
+    assert m4["is/weight_max"] == pytest.approx(m1["is/weight_max"], abs=1e-6)
+    assert_close_dicts(sd1, sd4, atol=1e-5)
+
+
+def test_nan_loss_skips_step_then_stops(model_path):
+    good, bad = make_batch(model_path, seed=2), make_batch(model_path, seed=2, nan_advantages=True)
+    with local_worker(make_cfg(max_bad_steps=2), model_path) as w:
+        w.train_step(good)
+        before = w.full_state_dict()
+        m = w.train_step(bad)
+        assert m["train/bad_step"] == 1.0 and m["train/consecutive_bad_steps"] == 1.0
+        assert m["train/policy_version"] == 1.0 and w.version == 1
+        for k, v in w.full_state_dict().items():
+            assert torch.equal(v, before[k]), k
+        m = w.train_step(good)  # a good step resets the counter
+        assert m["train/bad_step"] == 0.0 and m["train/consecutive_bad_steps"] == 0.0 and w.version == 2
+        w.train_step(bad)
+        with pytest.raises(RuntimeError, match="2 consecutive learner steps.*max_bad_steps=2"):
+            w.train_step(bad)
+
+
+def test_export_hf_roundtrip(model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with local_worker(make_cfg(), model_path) as w:
+        w.train_step(make_batch(model_path, seed=3))
+        sd = w.full_state_dict()
+        out = w.export_hf(str(tmp_path / "hf"))
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert set(loaded) == set(sd)
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_decoupled_kl_and_activation_checkpointing_paths(model_path):
+    """Decoupled correction (proximal = pre-update policy) with a KL reference; AC changes nothing."""
+    batch = make_batch(model_path, seed=4)
+    algo = {"correction": "decoupled", "kl_coef": 0.1}
+    results = []
+    for ac in (False, True):
+        cfg = make_cfg(activation_checkpointing=ac)
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update=algo)})
+        with local_worker(cfg, model_path) as w:
+            results.append((w.train_step(batch), w.full_state_dict()))
+    (m, sd), (m_ac, sd_ac) = results
+    assert m["train/bad_step"] == 0.0 and "loss/kl" in m
+    assert m["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # reference == initial policy at step 1
+    assert m["loss/total"] == pytest.approx(m_ac["loss/total"], abs=1e-6)
+    assert_close_dicts(sd, sd_ac, atol=1e-6)
+
+
+def test_flash_attention_without_package_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    from learners import parallelize
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RuntimeError, match="flash-attn package"):
+        parallelize.resolve_attn_implementation("flash_attention_2")
+    assert parallelize.resolve_attn_implementation("sdpa") == "sdpa"
+
+
+# ----------------------------------------------------------------------------- Ray, 2 ranks
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(ray_cluster, model_path, tmp_path_factory):
+    """4 steps at world size 2, with a checkpoint after step 2 (saving changes nothing)."""
+    from learners.group import LearnerGroup
+
+    batches = [make_batch(model_path, seed=10 + i) for i in range(4)]
+    ckpt = str(tmp_path_factory.mktemp("ckpt") / "step2")
+    group = LearnerGroup(make_cfg(world_size=2, max_tokens_per_microbatch=64), model_path)
+    try:
+        metrics = [group.train_step(batches[0])]
+        sd1 = group.full_state_dict()
+        metrics.append(group.train_step(batches[1]))
+        group.save_checkpoint(ckpt)
+        metrics += [group.train_step(b) for b in batches[2:]]
+        result = dict(batches=batches, ckpt=ckpt, metrics=metrics, sd1=sd1,
+                      sd4=group.full_state_dict(), osd4=group.full_optimizer_state_dict(), version=group.version)
+    finally:
+        group.shutdown()
+    return result
+
+
+def test_two_ranks_match_one_rank(two_rank_run, model_path):
+    with local_worker(make_cfg(max_tokens_per_microbatch=64), model_path) as w:
+        m = w.train_step(two_rank_run["batches"][0])
+        sd = w.full_state_dict()
+    m2 = two_rank_run["metrics"][0]
+    assert m2["loss/total"] == pytest.approx(m["loss/total"], abs=1e-5)
+    assert m2["loss/policy"] == pytest.approx(m["loss/policy"], abs=1e-5)
+    assert m2["train/grad_norm"] == pytest.approx(m["train/grad_norm"], abs=1e-5)
+    assert m2["loss/tokens"] == m["loss/tokens"] == two_rank_run["batches"][0].num_response_tokens
+    assert_close_dicts(sd, two_rank_run["sd1"], atol=1e-5)
+
+
+def test_resume_in_new_actors_matches_straight_run(two_rank_run, model_path):
+    from learners.group import LearnerGroup
+
+    group = LearnerGroup(make_cfg(world_size=2, max_tokens_per_microbatch=64), model_path)
+    try:
+        assert group.load_checkpoint(two_rank_run["ckpt"]) == {"step": 2, "version": 2}
+        metrics = [group.train_step(b) for b in two_rank_run["batches"][2:]]
+        sd, osd = group.full_state_dict(), group.full_optimizer_state_dict()
+        assert group.version == two_rank_run["version"] == 4
+    finally:
+        group.shutdown()
+    for a, b in zip(metrics, two_rank_run["metrics"][2:]):
+        assert a["loss/total"] == pytest.approx(b["loss/total"], abs=1e-6)
+        assert a["train/lr"] == b["train/lr"]
+    assert_close_dicts(sd, two_rank_run["sd4"], atol=1e-6)
+    assert_close_dicts(osd["state"], two_rank_run["osd4"]["state"], atol=1e-6)
