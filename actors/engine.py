@@ -22,7 +22,6 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from async_april.config import Config
 
 FinishReason = Literal["stop", "length", "abort"]
 WeightBucket = dict[str, "torch.Tensor"]

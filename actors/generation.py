@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import time
-import traceback
 
-import numpy as np
 
 from actors.engine import GenerateRequest, SamplingParams
 from async_april.config import Config
 from async_april.trajectory import Sample
-
-log = logging.getLogger(__name__)
 
 POLL_S = 0.02
 """How often an idle actor asks the store for work again (admission may reopen)."""
@@ -47,7 +42,7 @@ class GenerationActor:
         from transformers import AutoTokenizer
 
         from actors.engines import make_engine
-        from async_april.rewards import get_reward_fn
+        from async_april.rewards.scoring import RewardScorer
 
         torch.set_num_threads(1)
         self.cfg = cfg
@@ -55,13 +50,12 @@ class GenerationActor:
         self.store = store
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engine = engine if engine is not None else make_engine(cfg, model_path)
-        self.reward_fn = get_reward_fn(cfg.reward.name)
+        self.scorer = RewardScorer(cfg.reward)
         self.inflight: dict[str, asyncio.Task] = {}
         self.open = asyncio.Event()
         self.open.set()
         self.stopping = False
         self.early_stopping = False
-        self.reward_errors = 0
         self.generated_tokens = 0
         self.weight_load_s = 0.0
 
@@ -117,18 +111,8 @@ class GenerationActor:
     def _score(self, sample: Sample) -> float:
         prompt = self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
         response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        try:
-            reward = float(self.reward_fn(prompt=prompt, response=response, answer=sample.answer or ""))
-            if not np.isfinite(reward):
-                raise ValueError(f"reward is {reward}")
-            return reward
-        except Exception:
-            self.reward_errors += 1
-            if self.reward_errors == 1:
-                log.error("reward %r failed on %s (first failure, later ones only counted):\n%s", self.cfg.reward.name, sample.uid, traceback.format_exc())
-            if self.cfg.reward.on_error == "stop":
-                raise
-            return 0.0
+        total, sample.reward_parts = self.scorer.score(prompt, response, sample.answer or "", sample.extra)
+        return total
 
     async def _settle(self) -> None:
         """Wait until every in-flight request has returned and pushed its sample."""
@@ -195,7 +179,7 @@ class GenerationActor:
         total = st.busy_s + st.idle_s
         return {
             "rollout/inflight": len(self.inflight),
-            "rollout/reward_errors": self.reward_errors,
+            "rollout/reward_errors": self.scorer.errors,
             "perf/engine_busy_s": st.busy_s,
             "perf/engine_idle_s": st.idle_s,
             "perf/engine_idle_frac": st.idle_s / total if total > 0 else 0.0,

@@ -109,7 +109,7 @@ class RolloutStore:
         row = self.dataset.row(p)
         self.open_groups[p] = Group(
             prompt_index=p,
-            samples=[Sample(prompt_index=p, sample_index=i, prompt_ids=row.prompt_ids, answer=row.answer) for i in range(self.n)],
+            samples=[Sample(prompt_index=p, sample_index=i, prompt_ids=row.prompt_ids, answer=row.answer, extra=row.extra) for i in range(self.n)],
         )
         self.fresh.extend((p, i) for i in range(self.n))
         self.cursor += 1
@@ -194,7 +194,8 @@ class RolloutStore:
         self.counters.requeued_groups += 1
         self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
         self._discard_aborted(g)
-        fresh = [Sample(prompt_index=g.prompt_index, sample_index=s.sample_index, prompt_ids=s.prompt_ids, answer=s.answer) for s in g.samples]
+        fresh = [Sample(prompt_index=g.prompt_index, sample_index=s.sample_index, prompt_ids=s.prompt_ids, answer=s.answer, extra=s.extra)
+                 for s in g.samples]
         self.open_groups[g.prompt_index] = Group(prompt_index=g.prompt_index, samples=fresh)
         self.fresh.extendleft((g.prompt_index, i) for i in reversed(range(self.n)))
 

@@ -133,7 +133,10 @@ def make_batch(groups, cfg: Config, version: int):
     lens = batch.response_lens
     lag = batch.staleness()
     finish = [s.finish_reason for g in groups for s in g.samples]
+    parts = [s.reward_parts for g in groups for s in g.samples]
+    reward_means = {f"reward/{k}": float(np.mean([p.get(k, 0.0) for p in parts])) for k in cfg.reward.functions}
     return batch, {
+        **reward_means,
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()),
         "rollout/response_len_mean": float(lens.mean()),

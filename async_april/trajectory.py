@@ -35,6 +35,10 @@ class Sample:
     reward: float | None = None
     answer: str | None = None
     """Reference answer for the reward function."""
+    extra: dict = field(default_factory=dict)
+    """Other dataset columns, passed to the reward functions as keyword arguments."""
+    reward_parts: dict = field(default_factory=dict)
+    """Value of each configured reward function, before weighting."""
 
     @property
     def uid(self) -> str:

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

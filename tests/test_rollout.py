@@ -93,7 +93,7 @@ def sync_reference(cfg, steps):
     path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     tok = AutoTokenizer.from_pretrained(path)
     data = load_prompts(cfg, tok)
-    reward_fn = get_reward_fn(cfg.reward.name)
+    reward_fn = get_reward_fn("reverse_match")
     r = cfg.rollout
     worker = LearnerWorker(cfg, path, 0, 1, "127.0.0.1", 29731)
     engine = TorchEngine(path, max_running=r.concurrency, eos_token_ids=[tok.eos_token_id])

@@ -46,7 +46,7 @@ def get_reward_fn(name: str) -> RewardFn:
     known = ", ".join(sorted(REGISTRY))
     raise ValueError(
         f"reward {name!r} is not a registered name ({known}) nor an import path 'module:function'; "
-        "set reward.name to one of those"
+        "list one of those in reward.functions"
     )
 
 
