@@ -48,6 +48,9 @@ class GenerateRequest:
     prompt_len: int | None = None
     """On a resume (input_ids = prompt + partial response): the original prompt's length. None: all of input_ids is prompt.
     Only the simulated engine reads it (to continue toward the same drawn total length)."""
+    response_seed: int | None = None
+    """Stable identity of the response across resumes (the sampling seed changes per resume).
+    Only the simulated engine reads it: a response's drawn total length must not change when it is resumed."""
 
 
 @dataclass

@@ -137,6 +137,8 @@ class RolloutConfig(Section):
     """Times a dead generation actor is restarted (its leases go back to the store first); beyond that the run continues on the others."""
     simulated_lengths: str = "lognormal"
     """Simulated engine: response-length distribution (`lognormal`, `april`, `copris`, or a histogram file)."""
+    simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
+    """Simulated engine: real seconds per simulated second (0.01 runs 100x faster than the modelled GPU)."""
 
 
 class AsyncConfig(Section):
@@ -153,8 +155,8 @@ class AlgorithmConfig(Section):
     """Added to the group std in GRPO normalisation."""
     loss: Literal["ppo", "gspo"] = "ppo"
     """Policy loss: token-level PPO-clip or GSPO's sequence-level ratio."""
-    correction: Literal["direct", "decoupled"] = "direct"
-    """direct (CoPRIS): ratio to the behaviour policy. decoupled (AReaL): ratio to the proximal policy times a bounded weight."""
+    correction: Literal["direct", "decoupled", "none"] = "direct"
+    """direct (CoPRIS): ratio to the behaviour policy. decoupled (AReaL): ratio to the proximal policy times a bounded weight. none: ignore the behaviour policy (ablations only; biased off-policy)."""
     weight_bound: Literal["truncate", "mask", "none"] = "truncate"
     """How the decoupled IS weight is bounded: truncate at `weight_cap`, mask outside [`mask_low`, `mask_high`], or not at all."""
     weight_level: Literal["token", "sequence"] = "token"
@@ -230,6 +232,8 @@ class CheckpointConfig(Section):
     """Checkpoints kept in the run directory; older ones are deleted."""
     export_hf: bool = False
     """Also export the final weights as a Hugging Face model directory."""
+    verify: Literal["sha256", "size"] = "sha256"
+    """How a checkpoint is checked against its manifest when resuming: file sizes and sha256 (reads every byte), or sizes only (fast for very large checkpoints)."""
 
 
 class LoggingConfig(Section):

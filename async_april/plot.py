@@ -51,6 +51,31 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     return out
 
 
+def plot_curves(curves: dict[str, list[tuple[float, float]]], out: Path, xlabel: str, ylabel: str,
+                hline: float | None = None) -> Path:
+    """One line per labelled (x, y) curve, e.g. reward against wall time per mode and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, pts in curves.items():
+        if pts:
+            ax.plot(*zip(*pts), label=label)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label="target")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="async-april plot", description=__doc__)
     ap.add_argument("run_dir", type=Path)

@@ -10,8 +10,11 @@ eta versions and never has to throw work away to respect the bound.
 eta = 0 with no over-provisioning reproduces synchronous training: the
 (v + 1)-th batch's prompts can only start once weights v are loaded.
 
-A second, independent cap bounds the groups in flight (started, not yet
-complete) to ceil(over_provision * B): APRIL's over-provisioning.
+A second, independent cap bounds the groups launched and not yet trained
+(running, partial, or complete and waiting) to ceil(over_provision * B):
+APRIL's over-provisioning. Each step launches over_provision * B groups,
+leftovers included, and nothing refills the pool until a batch is taken, so
+the early stop cuts the round when B of them are complete.
 """
 
 from __future__ import annotations
@@ -34,15 +37,15 @@ class StalenessController:
     def max_groups_in_flight(self) -> int:
         return math.ceil(self.over_provision * self.batch_groups)
 
-    def capacity(self, version: int, admitted: int, in_flight: int) -> int:
+    def capacity(self, version: int, admitted: int, untrained: int) -> int:
         """How many new groups may start now.
 
         version: learner policy version v (steps trained so far).
         admitted: groups started so far that still count (started - filtered - dropped).
-        in_flight: groups started and not yet complete (partial or running).
+        untrained: groups started and not yet handed to the learner (running, partial or waiting).
         """
         by_staleness = (self.max_staleness + version + 1) * self.batch_groups - admitted
-        by_over_provision = self.max_groups_in_flight - in_flight
+        by_over_provision = self.max_groups_in_flight - untrained
         return max(0, min(by_staleness, by_over_provision))
 
     def is_stale(self, oldest_token_version: int, version: int) -> bool:

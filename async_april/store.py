@@ -6,7 +6,8 @@ work: partial responses first (oldest tokens first), then fresh samples of
 groups already started, then new prompts as groups of n, the last only as far
 as the `StalenessController` admits. Every prompt taken from the dataset is in
 exactly one state -- in flight, partial, completed (waiting for a batch),
-trained, filtered or dropped -- and `accounting()` proves it.
+trained, filtered, dropped or skipped (its learner step was skipped) -- and
+`accounting()` proves it.
 
 `RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor` wraps
 it as an async Ray actor whose `get_batch` waits without blocking pushes.
@@ -36,6 +37,7 @@ class _Counters:
     trained_groups: int = 0
     filtered_groups: int = 0
     dropped_groups: int = 0
+    skipped_groups: int = 0
     requeued_groups: int = 0
     partial_resumed: int = 0
     aborted_tokens: int = 0
@@ -70,6 +72,8 @@ class RolloutStore:
         self.trained: list[int] = []
         self.filtered: list[int] = []
         self.dropped: list[int] = []
+        self.skipped: list[int] = []
+        """Batched, but the learner skipped the step (non-finite loss/gradient): consumed, not trained."""
         self.counters = _Counters()
 
     # -- work out ---------------------------------------------------------
@@ -101,9 +105,10 @@ class RolloutStore:
         return (int(s.versions.min()) if len(s.versions) else self.version, s.prompt_index)
 
     def _start_group(self) -> bool:
-        in_flight = len(self.open_groups)
-        admitted = self.counters.started_groups - self.counters.filtered_groups - self.counters.dropped_groups
-        if self.controller.capacity(self.version, admitted, in_flight) <= 0:
+        untrained = len(self.open_groups) + len(self.completed)
+        c = self.counters
+        admitted = c.started_groups - c.filtered_groups - c.dropped_groups - c.skipped_groups
+        if self.controller.capacity(self.version, admitted, untrained) <= 0:
             return False
         p = self.cursor
         row = self.dataset.row(p)
@@ -163,6 +168,10 @@ class RolloutStore:
         self.counters.actor_failures += 1
         return len(held)
 
+    def leased_by(self, actor_id: str) -> list[str]:
+        """Sample uids `actor_id` holds right now (observability, fault drills)."""
+        return sorted(self.leases.get(actor_id, {}))
+
     # -- batches ------------------------------------------------------------
     def try_get_batch(self) -> list[Group] | None:
         """B complete groups within the staleness bound, or None if not enough yet."""
@@ -203,6 +212,16 @@ class RolloutStore:
         """A group that will not be trained (filtered, dropped, requeued): its aborted tokens are discarded."""
         self.counters.aborted_tokens_discarded += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
 
+    def mark_skipped(self, prompt_indices: list[int]) -> None:
+        """The learner skipped the step that trained these prompts: move them from trained to
+        skipped and give their admission slots back, so generation does not wait for a version
+        that this batch will never produce."""
+        for p in prompt_indices:
+            self.trained.remove(p)
+            self.skipped.append(p)
+        self.counters.skipped_groups += len(prompt_indices)
+        self.counters.trained_groups -= len(prompt_indices)
+
     def set_version(self, version: int) -> None:
         if version < self.version:
             raise ValueError(f"policy version went backwards: {self.version} -> {version}")
@@ -223,6 +242,7 @@ class RolloutStore:
             "trained": list(self.trained),
             "filtered": list(self.filtered),
             "dropped": list(self.dropped),
+            "skipped": list(self.skipped),
         }
 
     def check_accounting(self) -> None:
@@ -252,6 +272,7 @@ class RolloutStore:
             "rollout/completed_waiting": len(self.completed),
             "rollout/leased": sum(len(h) for h in self.leases.values()),
             "rollout/actor_failures": c.actor_failures,
+            "rollout/groups_skipped_bad_step": c.skipped_groups,
             "data/prompt_cursor": self.cursor,
             "data/rejected_long_prompts": self.dataset.rejected_long,
             "data/truncated_long_prompts": self.dataset.truncated_long,

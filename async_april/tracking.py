@@ -4,13 +4,16 @@ One step axis (`train/step`) for everything. Keys are namespaced (`rollout/`,
 `staleness/`, `is/`, `loss/`, `perf/`, `timing_s/`, `train/`). The W&B run id
 is kept in the run directory so a resumed run continues the same W&B run.
 Secrets (WANDB_API_KEY and friends) are read from the environment by wandb
-itself and never pass through here.
+itself and never pass through here; as a second guard, any string logged
+here that contains the value of an env var ending in _API_KEY, _TOKEN,
+_SECRET or _PASSWORD is written with that value replaced by `***`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,22 @@ CONSOLE_KEYS = (
 )
 
 
+SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD")
+"""Environment variables whose values are treated as secrets (WANDB_API_KEY, HF_TOKEN, ...)."""
+
+
+def secret_values() -> list[str]:
+    """Values of secret-looking environment variables (8+ characters, so short flags are not masked)."""
+    return [v for k, v in os.environ.items() if k.upper().endswith(SECRET_SUFFIXES) and len(v) >= 8]
+
+
+def redact(text: str, secrets: list[str] | None = None) -> str:
+    """`text` with every secret value from the environment replaced by `***`."""
+    for v in secret_values() if secrets is None else secrets:
+        text = text.replace(v, "***")
+    return text
+
+
 def _jsonable(v: Any) -> Any:
     if hasattr(v, "item"):
         v = v.item()
@@ -46,6 +65,7 @@ class Tracker:
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a" if resume else "w")
         self._t0 = time.time()
+        self._secrets = secret_values()
         self._wandb = None
         if cfg.logging.wandb != "disabled":
             self._wandb = self._init_wandb(resume)
@@ -72,6 +92,7 @@ class Tracker:
 
     def log(self, metrics: dict[str, Any]) -> None:
         row = {k: _jsonable(v) for k, v in metrics.items()}
+        row = {k: redact(v, self._secrets) if isinstance(v, str) else v for k, v in row.items()}
         row["time/elapsed_s"] = round(time.time() - self._t0, 3)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
@@ -80,6 +101,10 @@ class Tracker:
         step = int(row.get("train/step", 0))
         if step % self.cfg.logging.console_every == 0:
             print(console_line(row, self.cfg.run.steps), flush=True)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self._wandb.id if self._wandb is not None else None
 
     def close(self) -> None:
         self._file.close()

@@ -14,11 +14,19 @@ What blocks on what: only `get_batch` waits for generation; generation waits
 for the learner only when admission control (async.max_staleness) says so.
 With the sync preset that happens every step, which is synchronous training.
 
+Faults (docs/reliability.md): a dead generation actor is handled by
+`actors/pool.py` (leases back to the store, replacement loads the current
+weights); a skipped learner step (non-finite loss) is not broadcast and does
+not bump the version; every `checkpoint.every` steps and at the end,
+`async_april/checkpointing.py` saves learner + store + `RunState` atomically;
+`run.resume` restores them and pushes the restored weights before generating.
+
 Run: `async-april train CONFIG [k=v ...]` or `python -m async_april.train CONFIG [k=v ...]`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -27,29 +35,37 @@ from pathlib import Path
 import numpy as np
 
 from async_april.config import Config, ConfigError, load_config, save_config
-from async_april.tracking import Tracker, progress
+from async_april.tracking import Tracker, progress, redact
 
 
 def train(cfg: Config, on_step=None) -> Path:
-    """Run `cfg`; `on_step(step, batch, learner)`, if given, sees each trained batch (tests, tools)."""
+    """Run `cfg`; `on_step(step, batch, learner)`, if given, sees each trained batch (tests, tools);
+    if it takes a `pool` keyword it also gets the `ActorPool` (fault drills: `pool.kill("gen0")`)."""
     import ray
 
+    from async_april.checkpointing import resolve_resume
     from async_april.data import load_prompts
     from async_april.models.tiny import resolve_model_path
     from transformers import AutoTokenizer
 
     run_dir = cfg.run_dir
+    resume = resolve_resume(cfg)  # before anything starts: a bad path is a config error
     save_config(cfg, run_dir)
+    (run_dir / "config.yaml").write_text(redact((run_dir / "config.yaml").read_text()))
     try:
         model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     dataset = load_prompts(cfg, AutoTokenizer.from_pretrained(model_path))
     progress(f"run dir {run_dir}; model {model_path}; {len(dataset)} prompts")
+    if resume is not None:
+        progress(f"resuming from {resume.path} (step {resume.step}, policy version {resume.version})")
+        if resume.manifest.get("wandb_run_id"):
+            (run_dir / "wandb_run_id").write_text(resume.manifest["wandb_run_id"])
     started_ray = init_ray(cfg)
-    tracker = Tracker(cfg, run_dir)
+    tracker = Tracker(cfg, run_dir, resume=resume is not None)  # metrics.jsonl is appended on resume
     try:
-        run_loop(cfg, model_path, dataset, tracker, on_step)
+        run_loop(cfg, model_path, dataset, tracker, on_step, resume)
     finally:
         tracker.close()
         if started_ray:
@@ -57,10 +73,10 @@ def train(cfg: Config, on_step=None) -> Path:
     return run_dir
 
 
-def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=None) -> None:
+def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=None, resume=None) -> None:
     import ray
 
-    from actors.generation import GenerationActor
+    from actors.pool import ActorPool
     from async_april.store import RolloutStoreActor
     from learners.group import LearnerGroup
     from learners.weight_sync import WeightSyncer
@@ -68,56 +84,93 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
     store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, dataset)
     learner = LearnerGroup(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
-    actors = [
-        ray.remote(GenerationActor).options(num_cpus=1, max_concurrency=1000).remote(cfg, f"gen{i}", store, model_path)
-        for i in range(cfg.rollout.num_actors)
-    ]
-    ray.get([a.start.remote() for a in actors])
-    loops = [a.run.remote() for a in actors]
-    last = _actor_totals(actors)
+    run = RunState.restore(resume, store, learner, cfg) if resume is not None else RunState(cfg)
+    push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
+    pool = ActorPool(cfg, store, model_path, load_weights=push)
+    hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
     try:
-        for step in range(1, cfg.run.steps + 1):
+        pool.start(cfg.rollout.num_actors)
+        if resume is not None:
+            pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
+        ray.get(store.call.remote("set_version", learner.version))
+        pool.start_loops()
+        last = pool.totals()
+        for step in range(run.step + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
-            groups = _wait_for_batch(store, loops)
+            groups = pool.wait_for_batch()
             t_wait = time.perf_counter() - t0
             if cfg.rollout.early_stop:
-                ray.get([a.early_stop.remote() for a in actors])
+                pool.call_all("early_stop")
             batch, metrics = make_batch(groups, cfg, learner.version)
             t1 = time.perf_counter()
             metrics.update(learner.train_step(batch))
             t_train = time.perf_counter() - t1
-            metrics.update(syncer.push(learner, actors, learner.version))
-            ray.get(store.call.remote("set_version", learner.version))
+            if metrics["train/bad_step"]:  # skipped: no broadcast, no new version; its prompts are not trained
+                run.bad_steps += 1
+                ray.get(store.call.remote("mark_skipped", [g.prompt_index for g in groups]))
+            else:
+                metrics.update(pool.push_weights(push, learner.version))
+                ray.get(store.call.remote("set_version", learner.version))
             ray.get(store.call.remote("check_accounting"))  # every prompt in exactly one state, or stop
-            now = _actor_totals(actors)
+            now = pool.totals()
             step_s = time.perf_counter() - t0
             metrics.update(ray.get(store.call.remote("metrics")))
             metrics.update(_step_perf(last, now, step_s))
             last = now
-            metrics.update({"train/step": step, "train/policy_version": learner.version,
-                            "timing_s/wait_data": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
+            run.step = step
+            metrics.update(run.metrics(pool, learner.version))
+            metrics.update({"timing_s/wait_data": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
             tracker.log(metrics)
             if on_step is not None:
-                on_step(step, batch, learner)
+                on_step(step, batch, learner, **({"pool": pool} if hook_gets_pool else {}))
+            if step == cfg.run.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                run.save(store, learner, pool, tracker)
+        if cfg.checkpoint.export_hf:
+            progress(f"exported {learner.export_hf(str(cfg.run_dir / 'hf'))}")
     finally:
-        ray.get([a.stop.remote() for a in actors])
+        pool.stop()
         learner.shutdown()
 
 
-def _wait_for_batch(store, loops):
-    """Block on the store, but fail fast if a generation loop died."""
-    import ray
+class RunState:
+    """The controller's own state: step and cumulative counters; saved with every checkpoint."""
 
-    ref = store.get_batch.remote()
-    while True:
-        ready, _ = ray.wait([ref], timeout=1.0)
-        if ready:
-            return ray.get(ref)
-        finished, _ = ray.wait(loops, timeout=0, num_returns=len(loops))
-        for f in finished:
-            ray.get(f)  # raises the actor's error
-        if len(finished) == len(loops):
-            raise RuntimeError("every generation actor has stopped; no batch can complete")
+    def __init__(self, cfg: Config, step: int = 0, bad_steps: int = 0, actor_restarts: int = 0):
+        self.cfg, self.step, self.bad_steps, self.actor_restarts_before = cfg, step, bad_steps, actor_restarts
+
+    @classmethod
+    def restore(cls, ck, store, learner, cfg: Config) -> "RunState":
+        """Learner (model, optimizer, scheduler, RNG, version) and store from checkpoint `ck`."""
+        import ray
+
+        from async_april.checkpointing import config_hash
+
+        if ck.manifest.get("config_hash") != config_hash(cfg):
+            progress(f"warning: the config differs from the one {ck.path} was saved with (settings other than run.*/logging.*)")
+        learner.load_checkpoint(str(ck.learner_dir))
+        ray.get(store.call.remote("load_state_dict", ck.store_state()))
+        c = ck.controller_state()
+        return cls(cfg, int(c["step"]), int(c["train/bad_steps"]), int(c["rollout/actor_restarts"]))
+
+    def metrics(self, pool, version: int) -> dict[str, float]:
+        return {"train/step": self.step, "train/policy_version": version, "train/bad_steps": self.bad_steps,
+                "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
+                "rollout/actors_alive": len(pool.actors)}
+
+    def save(self, store, learner, pool, tracker: Tracker):
+        import ray
+
+        from async_april.checkpointing import CheckpointManager, config_hash
+
+        t0 = time.perf_counter()
+        ck = self.cfg.checkpoint
+        controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
+                      "rollout/actor_restarts": self.actor_restarts_before + pool.restarts}
+        path = CheckpointManager(self.cfg.run_dir, ck.keep, ck.verify).save(
+            self.step, learner.version, learner, ray.get(store.call.remote("state_dict")), controller,
+            tracker.wandb_run_id, config_hash(self.cfg))
+        progress(f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
+        return path
 
 
 def make_batch(groups, cfg: Config, version: int):
@@ -147,14 +200,6 @@ def make_batch(groups, cfg: Config, version: int):
         "staleness/max": int(lag.max()) if lag.size else 0,
         "staleness/mean": float(lag.mean()) if lag.size else 0.0,
     }
-
-
-def _actor_totals(actors) -> dict[str, float]:
-    import ray
-
-    per_actor = ray.get([a.metrics.remote() for a in actors])
-    keys = ("perf/engine_busy_s", "perf/engine_idle_s", "perf/engine_generated_tokens", "rollout/inflight", "rollout/reward_errors")
-    return {k: float(sum(m[k] for m in per_actor)) for k in keys}
 
 
 def _step_perf(last: dict, now: dict, step_s: float) -> dict[str, float]:

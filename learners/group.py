@@ -12,6 +12,7 @@ Every method calls all ranks at once (the work is collective) and returns rank 0
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learners.weight_sync import TensorSpec, plan_buckets
-from learners.worker import LearnerWorker
+from learners.worker import INJECT_NAN_ENV, LearnerWorker
 
 if TYPE_CHECKING:
     from async_april.batch import TrainBatch
@@ -53,7 +54,10 @@ class LearnerGroup:
             ray.remote(num_cpus=0)(_node_ip_and_free_port).options(scheduling_strategy=on(0)).remote()
         )
         actor_cls = ray.remote(LearnerWorker)
-        env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+        env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if os.environ.get(INJECT_NAN_ENV):  # test hook only; see docs/reliability.md
+            env_vars[INJECT_NAN_ENV] = os.environ[INJECT_NAN_ENV]
+        env = {"env_vars": env_vars}
         self.workers = [
             actor_cls.options(
                 num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=on(r), runtime_env=env,
@@ -75,7 +79,13 @@ class LearnerGroup:
 
     def train_step(self, batch: "TrainBatch") -> dict[str, float]:
         ref = ray.put(batch)
-        metrics = self._all("train_step", ref)[0]
+        try:
+            metrics = self._all("train_step", ref)[0]
+        except ray.exceptions.RayTaskError as e:
+            # The rank's own error (e.g. learner.max_bad_steps reached), not a wrapped Ray traceback.
+            if isinstance(e.cause, (RuntimeError, ValueError)):
+                raise type(e.cause)(str(e.cause)) from None
+            raise
         self._version = int(metrics["train/policy_version"])
         return metrics
 

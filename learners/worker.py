@@ -57,6 +57,15 @@ PEAK_BF16_TFLOPS = {
 """Dense bf16 peak TFLOP/s by a substring of `torch.cuda.get_device_name()` (first match wins)."""
 
 
+INJECT_NAN_ENV = "ASYNC_APRIL_INJECT_NAN_STEPS"
+"""TEST HOOK (docs/reliability.md): comma-separated learner steps (1-based train_step calls) whose
+loss is multiplied by NaN before backward, to exercise the bad-step path. Unset in real runs."""
+
+
+def parse_inject_steps(text: str) -> frozenset[int]:
+    return frozenset(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
 def peak_flops(device_name: str) -> float | None:
     for key, tflops in PEAK_BF16_TFLOPS.items():
         if key.lower() in device_name.lower():
@@ -150,6 +159,7 @@ class LearnerWorker:
         self.version = 0
         self.bad_steps = 0
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        self._inject_nan_steps = parse_inject_steps(os.environ.get(INJECT_NAN_ENV, ""))
 
     # ------------------------------------------------------------------ train
 
@@ -191,6 +201,8 @@ class LearnerWorker:
                 logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, self.loss_settings,
                 global_tokens, global_sequences, proximal_logprobs=prox, ref_logprobs=ref_lp,
             )  # fmt: skip
+            if i == 0 and self.step + 1 in self._inject_nan_steps:
+                loss = loss * float("nan")  # test hook, see INJECT_NAN_ENV
             loss.backward()
             loss_sum += loss.detach().double().cpu()
             per_micro.append({k: float(v) for k, v in metrics.items()})

@@ -22,6 +22,7 @@ import torch
 
 from actors.engine import Engine, GenerateRequest, SamplingParams
 from actors.engines.simulated import SimulatedEngine
+pytest.importorskip("aiohttp", reason="the SGLang client and its stand-in server need aiohttp")
 from actors.engines.sglang_engine import SGLangEngine
 from actors.engines.torch_engine import TorchEngine
 from tests.sglang_standin import StandinServer, make_test_model_dir

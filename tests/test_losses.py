@@ -438,3 +438,19 @@ def test_staleness_metrics():
     padded = torch.tensor([[3, 3, 4], [5, 0, 0]])
     assert staleness_metrics(padded, 5, mask=padded > 0) == m
     assert staleness_metrics([], 5) == {"staleness/token_lag_mean": 0.0, "staleness/token_lag_max": 0.0}
+
+
+def test_correction_none_ignores_the_behaviour_policy():
+    """The ablation mode: off-policy tokens are treated as on-policy (ratio 1 at the start of the update)."""
+    torch.manual_seed(0)
+    logprobs = (-torch.rand(2, 5, dtype=torch.float64)).requires_grad_()
+    behavior = logprobs.detach() - 0.7
+    mask = torch.ones(2, 5)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    s_none = LossSettings(correction="none")
+    loss_none, m_none = policy_loss(logprobs, behavior, adv, mask, s_none, 10, 2)
+    loss_onp, _ = policy_loss(logprobs, logprobs.detach(), adv, mask, LossSettings(), 10, 2)
+    loss_direct, _ = policy_loss(logprobs, behavior, adv, mask, LossSettings(), 10, 2)
+    assert torch.allclose(loss_none, loss_onp)
+    assert not torch.allclose(loss_none, loss_direct)
+    assert float(m_none["is/weight_max"]) == pytest.approx(1.0)

@@ -7,9 +7,9 @@ from async_april.staleness import StalenessController
 
 def test_eta_zero_is_synchronous():
     c = StalenessController(batch_groups=4, max_staleness=0)
-    assert c.capacity(version=0, admitted=0, in_flight=0) == 4
-    assert c.capacity(version=0, admitted=4, in_flight=0) == 0  # batch 0 done, learner not yet
-    assert c.capacity(version=1, admitted=4, in_flight=0) == 4
+    assert c.capacity(version=0, admitted=0, untrained=0) == 4
+    assert c.capacity(version=0, admitted=4, untrained=0) == 0  # batch 0 done, learner not yet
+    assert c.capacity(version=1, admitted=4, untrained=0) == 4
 
 
 def test_eta_lets_generation_run_ahead_by_eta_batches():
@@ -19,11 +19,12 @@ def test_eta_lets_generation_run_ahead_by_eta_batches():
     assert c.capacity(3, 12, 3) == 12
 
 
-def test_over_provision_caps_groups_in_flight():
-    c = StalenessController(batch_groups=4, max_staleness=1, over_provision=2.0)
+def test_over_provision_launches_that_many_groups_per_batch():
+    c = StalenessController(batch_groups=4, max_staleness=4, over_provision=2.0)
     assert c.max_groups_in_flight == 8
     assert c.capacity(0, 0, 0) == 8
-    assert c.capacity(1, 8, 4) == 4
+    assert c.capacity(0, 8, 8) == 0  # 4 complete and waiting + 4 running: no refill within the round
+    assert c.capacity(1, 8, 4) == 4  # batch taken: 4 leftovers + 4 new = 8 launched for step 1
 
 
 def test_is_stale():

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine import GenerateRequest, SamplingParams
 from actors.engines.torch_engine import TorchEngine
+pytest.importorskip("aiohttp", reason="the SGLang client and its stand-in server need aiohttp")
 from tests.sglang_standin import make_test_model_dir
 
 torch.set_num_threads(1)

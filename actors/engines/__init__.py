@@ -54,7 +54,8 @@ def make_engine(
     if kind == "sglang":
         from actors.engines.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_path, url=r.sglang_url, version=version, **overrides)
+        kw = {"request_timeout_s": r.request_timeout_s, "retries": r.retries, **overrides}
+        return SGLangEngine(model_path, url=r.sglang_url, version=version, **kw)
     if kind == "simulated":
         from actors.engines.simulated import SimulatedEngine
 

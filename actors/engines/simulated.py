@@ -17,7 +17,9 @@ sigma 1.2, 16k limit: ~12% of responses hit it), `copris` (median 6k, sigma
 rows `length,count` (header optional).
 
 Determinism across abort/resume: a response's total target length is drawn
-from a generator seeded by (`SamplingParams.seed`, the ORIGINAL prompt ids).
+from a generator seeded by (`GenerateRequest.response_seed`, or else
+`SamplingParams.seed`, and the ORIGINAL prompt ids). Callers that change the
+sampling seed per resume (the generation actor does) set `response_seed`.
 The original prompt is `input_ids[:request.prompt_len]` when the caller sets
 `GenerateRequest.prompt_len` on a resume (input_ids = prompt + partial
 response); otherwise the whole `input_ids` on the first call, and on a resume
@@ -171,7 +173,7 @@ class SimulatedEngine:
     def target_length(self, request: GenerateRequest) -> tuple[int, int]:
         """(total target response length, tokens already generated) for this request, deterministic per seed and prompt."""
         ids = np.asarray(request.input_ids, np.int64)
-        seed = request.sampling.seed
+        seed = request.response_seed if request.response_seed is not None else request.sampling.seed
         plen = getattr(request, "prompt_len", None)
         if plen is None:
             plen = self._prompt_len_by_seed.get(seed, len(ids)) if seed is not None else len(ids)

@@ -15,6 +15,8 @@ Correction (`algorithm.correction`):
     decoupled (AReaL):   u = pi_theta / pi_prox inside the clip, times the detached weight
                          w = pi_prox / pi_behav, bounded by `weight_bound` (truncate | mask | none)
                          per token or per sequence (`weight_level`, geometric mean).
+    none (ablation only): u = pi_theta / pi_prox with no behaviour weight: staleness is ignored,
+                         exactly the trap of recomputing behaviour logprobs with the current policy.
 
 Normalisation: the caller passes `global_tokens` and `global_sequences`, the
 counts over the WHOLE step batch (all micro-batches, all ranks). Each call
@@ -61,14 +63,14 @@ if TYPE_CHECKING:
 MAX_LOG_RATIO = 20.0
 
 LossKind = Literal["ppo", "gspo"]
-Correction = Literal["direct", "decoupled"]
+Correction = Literal["direct", "decoupled", "none"]
 WeightBound = Literal["truncate", "mask", "none"]
 WeightLevel = Literal["token", "sequence"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
 
 _CHOICES = {
     "loss": ("ppo", "gspo"),
-    "correction": ("direct", "decoupled"),
+    "correction": ("direct", "decoupled", "none"),
     "weight_bound": ("truncate", "mask", "none"),
     "weight_level": ("token", "sequence"),
     "aggregation": ("token_mean", "seq_mean_token_mean", "constant"),
@@ -324,6 +326,10 @@ def policy_loss(
         level: WeightLevel = "sequence" if s.loss == "gspo" else s.weight_level
         raw_weight = importance_weight(proximal_logprobs, behavior_logprobs, m, level)
         weight, bounded = bound_weight(raw_weight, s.weight_bound, s.weight_cap, s.mask_low, s.mask_high)
+    elif s.correction == "none":
+        # Deliberately uncorrected, for ablations: the behaviour policy is ignored.
+        base = logprobs.detach() if proximal_logprobs is None else proximal_logprobs
+        weight, bounded = None, torch.zeros_like(m)
     else:
         base, weight, bounded = behavior_logprobs, None, torch.zeros_like(m)
 

@@ -15,6 +15,11 @@ RewardFn = Callable[..., float]
 
 REGISTRY: dict[str, str] = {
     "reverse_match": "async_april.rewards.reverse:reverse_match",
+    "math_verify": "async_april.rewards.math:math_verify",
+    "gsm8k": "async_april.rewards.math:gsm8k",
+    "format": "async_april.rewards.math:boxed_format",
+    "boxed_format": "async_april.rewards.math:boxed_format",
+    "answer_tag_format": "async_april.rewards.math:answer_tag_format",
 }
 """Registered reward names and the import path they stand for (imported lazily)."""
 

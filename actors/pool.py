@@ -1,0 +1,229 @@
+"""ActorPool: the generation actors of a run, their `run()` loops, and what happens when one dies.
+
+    start(n) ──> GenerationActor x n (engine started, current weights loaded) ──> run() loops
+    check():  a finished run() ref means the loop died (ray.kill, process crash, engine error):
+              kill what is left of the actor, store.release_actor(id) (its leases go back to the
+              store as the store last saw them; partials resume first), count it, and start a
+              replacement that loads the learner's current weights and version before it leases
+              (up to rollout.max_actor_restarts for the whole run; then the others carry on).
+              A RewardError (reward.on_error=stop) is not an actor fault: the run stops with it.
+
+The controller calls `wait_for_batch`, `call_all` and `push_weights` instead of
+touching actor handles, so a death at any point of the step is handled here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from async_april.config import Config
+
+log = logging.getLogger(__name__)
+
+TOTAL_KEYS = ("perf/engine_busy_s", "perf/engine_idle_s", "perf/engine_generated_tokens", "rollout/inflight", "rollout/reward_errors")
+
+
+class NoGenerationActorsError(RuntimeError):
+    """Every generation actor died and the restart budget is spent."""
+
+
+class ActorPool:
+    def __init__(self, cfg: Config, store, model_path: str, load_weights: Callable[[list], Any] | None = None):
+        """`load_weights(handles)` pushes the learner's current weights and version to new actors."""
+        self.cfg, self.store, self.model_path = cfg, store, model_path
+        self.load_weights = load_weights
+        self.actors: dict[str, Any] = {}
+        self.loops: dict[str, Any] = {}
+        self.restarts = 0
+        self.failures = 0
+        self._next = 0
+        self._last: dict[str, dict[str, float]] = {}
+        """Latest metrics per actor ever started (a dead one keeps its final numbers, in flight 0)."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self, n: int) -> None:
+        """Create and start `n` actors; their loops start with `start_loops` (after weights are loaded)."""
+        import ray
+
+        new = [self._spawn() for _ in range(n)]
+        ray.get([self.actors[i].start.remote() for i in new])
+
+    def _spawn(self) -> str:
+        import ray
+
+        from actors.generation import GenerationActor
+
+        actor_id = f"gen{self._next}"
+        self._next += 1
+        self.actors[actor_id] = ray.remote(GenerationActor).options(num_cpus=1, max_concurrency=1000).remote(
+            self.cfg, actor_id, self.store, self.model_path)
+        return actor_id
+
+    def start_loops(self) -> None:
+        for i, a in self.actors.items():
+            if i not in self.loops:
+                self.loops[i] = a.run.remote()
+
+    @property
+    def handles(self) -> list:
+        return list(self.actors.values())
+
+    def stop(self) -> None:
+        import ray
+
+        refs = [a.stop.remote() for a in self.actors.values()]
+        for r in refs:
+            try:
+                ray.get(r, timeout=60)
+            except Exception as e:  # noqa: BLE001 - a dying actor must not block shutdown
+                log.warning("generation actor did not stop cleanly: %r", e)
+        for a in self.actors.values():
+            ray.kill(a)
+        self.actors.clear()
+        self.loops.clear()
+
+    def kill(self, actor_id: str) -> None:
+        """Fault injection (tests, drills): kill one actor's process without warning the store."""
+        import ray
+
+        ray.kill(self.actors[actor_id], no_restart=True)
+
+    # -- fault handling ---------------------------------------------------------------------
+    def check(self) -> int:
+        """Handle every actor whose loop has ended; returns how many were handled."""
+        import ray
+
+        if not self.loops:
+            return 0
+        done, _ = ray.wait(list(self.loops.values()), timeout=0, num_returns=len(self.loops))
+        dead = [i for i, ref in self.loops.items() if ref in done]
+        for actor_id in dead:
+            self._handle_death(actor_id, self.loops.pop(actor_id))
+        if dead:
+            if not self.actors:
+                raise NoGenerationActorsError(
+                    f"every generation actor has died ({self.failures} failures, {self.restarts} restarts, "
+                    f"rollout.max_actor_restarts={self.cfg.rollout.max_actor_restarts}); no batch can complete. "
+                    "See the errors above; raise rollout.max_actor_restarts or fix the engine")
+            self.start_loops()
+        return len(dead)
+
+    def _handle_death(self, actor_id: str, loop_ref) -> None:
+        import ray
+
+        from async_april.rewards.scoring import RewardError
+
+        try:
+            ray.get(loop_ref)
+            reason = "its loop returned"
+        except RewardError as e:  # reward.on_error=stop: the run's decision, not an actor fault
+            cause = getattr(e, "cause", None) or e
+            raise RewardError(str(cause).splitlines()[0] if str(cause) else repr(cause)) from None
+        except Exception as e:  # noqa: BLE001 - any failure of the loop is an actor death
+            reason = _short(e)
+        handle = self.actors.pop(actor_id)
+        ray.kill(handle, no_restart=True)  # late pushes from its in-flight tasks are ignored by the store
+        released = ray.get(self.store.call.remote("release_actor", actor_id))
+        self.failures += 1
+        if actor_id in self._last:
+            self._last[actor_id]["rollout/inflight"] = 0.0
+        log.warning("generation actor %s died (%s); %d leased samples returned to the store", actor_id, reason, released)
+        if self.restarts >= self.cfg.rollout.max_actor_restarts:
+            log.warning("not restarting %s: rollout.max_actor_restarts=%d reached; continuing on %d actor(s)",
+                        actor_id, self.cfg.rollout.max_actor_restarts, len(self.actors))
+            return
+        self.restarts += 1
+        new_id = self._spawn()
+        ray.get(self.actors[new_id].start.remote())
+        if self.load_weights is not None:
+            self.load_weights([self.actors[new_id]])  # current weights + version BEFORE any lease
+        log.warning("started %s to replace %s (restart %d of %d)", new_id, actor_id, self.restarts,
+                    self.cfg.rollout.max_actor_restarts)
+
+    # -- calls that tolerate a death ------------------------------------------------------------
+    def wait_for_batch(self, poll_s: float = 1.0):
+        """Block on the store for a batch, handling actor deaths while waiting."""
+        import ray
+
+        ref = self.store.get_batch.remote()
+        while True:
+            ready, _ = ray.wait([ref], timeout=poll_s)
+            if ready:
+                return ray.get(ref)
+            self.check()
+
+    def call_all(self, method: str, *args) -> list:
+        """Call `method` on every live actor; an actor that dies meanwhile is handled, not raised."""
+        import ray
+
+        refs = {i: getattr(a, method).remote(*args) for i, a in self.actors.items()}
+        out = []
+        for i, r in refs.items():
+            try:
+                out.append(ray.get(r))
+            except ray.exceptions.RayActorError:
+                pass
+            except ray.exceptions.RayTaskError as e:
+                log.warning("%s.%s failed: %s", i, method, _short(e))
+        self.check()
+        return out
+
+    def push_weights(self, push: Callable[[list], dict], version: int) -> dict:
+        """`push(handles)` (WeightSyncer.push) of `version` to every live actor. An actor that died,
+        or whose engine failed to load (e.g. its server is gone), is retired and handled as a
+        death (replacement loads the weights itself); then the push is repeated on the others."""
+        import ray
+
+        for _ in range(len(self.actors) + self.cfg.rollout.max_actor_restarts + 1):
+            try:
+                return push(self.handles)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                log.warning("weight push failed (%s); checking generation actors", _short(e))
+                if not self.check() and not self._retire(self._not_at(version)):
+                    raise
+        raise NoGenerationActorsError("weight push kept failing on dying generation actors")
+
+    def _not_at(self, version: int) -> list[str]:
+        import ray
+
+        refs = {i: a.version.remote() for i, a in self.actors.items()}
+        out = []
+        for i, r in refs.items():
+            try:
+                if ray.get(r, timeout=60) != version:
+                    out.append(i)
+            except Exception:  # noqa: BLE001 - unreachable counts as failed
+                out.append(i)
+        return out
+
+    def _retire(self, actor_ids: list[str]) -> int:
+        """Kill these actors and handle them as deaths (leases back, replacements)."""
+        import ray
+
+        for i in actor_ids:
+            log.warning("retiring generation actor %s: its engine did not load the new weights", i)
+            ray.kill(self.actors[i], no_restart=True)
+        ray.wait([self.loops[i] for i in actor_ids if i in self.loops], num_returns=len(actor_ids), timeout=60)
+        return self.check()
+
+    def totals(self) -> dict[str, float]:
+        """Cumulative engine counters summed over every actor the run has had."""
+        import ray
+
+        refs = {i: a.metrics.remote() for i, a in self.actors.items()}
+        for i, r in refs.items():
+            try:
+                self._last[i] = ray.get(r)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                if i in self._last:
+                    self._last[i]["rollout/inflight"] = 0.0
+        return {k: float(sum(m[k] for m in self._last.values())) for k in TOTAL_KEYS}
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/actor_restarts": self.restarts, "rollout/actors_alive": len(self.actors)}
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]

@@ -1,0 +1,174 @@
+"""Rollout throughput of the sync, APRIL and async modes, side by side in one run.
+
+The same prompts, group size, max tokens and seed go through each mode (the
+presets in configs/presets/), on the simulated engine with named length
+distributions (`april`: 16k-token limit with a long tail that hits it;
+`copris`: 8k-40k contexts; `lognormal`) around a simulated learner, and on the
+torch engine with the tiny model around the real FSDP2 learner. Reported per
+mode: useful tokens/s (response tokens trained per wall second, after a
+warm-up step), engine idle fraction, utilisation (generated tokens/s over the
+engine's steady state at full concurrency, measured in the same run) and the
+ratio to sync.
+
+    python benchmarks/rollout_throughput.py                      # both engines
+    python benchmarks/rollout_throughput.py --engine simulated --steps 8
+    python benchmarks/rollout_throughput.py --engine torch --steps 20
+
+Prints a table and writes benchmarks/results/rollout_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import MODES, mode_config, run, write_json
+
+from async_april.tracking import progress
+
+SIM_DISTS = ("april", "copris", "lognormal")
+SIM_TIME_SCALE = 0.002
+"""Real seconds per simulated second for the simulated engine and learner."""
+
+
+def summarize(rows: list[dict], warmup: int) -> dict[str, float]:
+    rows = rows[warmup:]
+    wall = sum(r["timing_s/step"] for r in rows)
+    return {
+        "useful_tokens_per_s": sum(r["rollout/tokens"] for r in rows) / wall,
+        "generated_tokens_per_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
+        "engine_idle_frac": statistics.mean(r["perf/engine_idle_frac"] for r in rows),
+        "staleness_max": max(r["staleness/max"] for r in rows),
+        "reward_mean": statistics.mean(r["rollout/reward_mean"] for r in rows),
+        "steps": len(rows),
+        "wall_s": wall,
+    }
+
+
+async def _steady_state(engine, make_request, concurrency: int, seconds: float) -> float:
+    """Tokens/s with `concurrency` requests always in flight (the engine's ceiling)."""
+    await engine.start()
+    produced, deadline, t0 = 0, time.perf_counter() + seconds, time.perf_counter()
+
+    async def worker(k: int):
+        nonlocal produced
+        i = k
+        while time.perf_counter() < deadline:
+            res = await engine.generate(make_request(i))
+            produced += len(res.output_ids)
+            i += concurrency
+
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    await engine.shutdown()
+    return produced / elapsed
+
+
+def steady_state_simulated(cfg, seconds: float) -> float:
+    from actors.engine import GenerateRequest, SamplingParams
+    from actors.engines.simulated import SimulatedEngine
+
+    r = cfg.rollout
+    engine = SimulatedEngine(r.simulated_lengths, max_running=r.concurrency, time_scale=SIM_TIME_SCALE)
+
+    def req(i):
+        return GenerateRequest(f"ss/{i}/", np.array([1, 2, 3, i % 97]), SamplingParams(r.max_new_tokens, seed=i), prompt_len=4)
+
+    return asyncio.run(_steady_state(engine, req, r.concurrency, seconds))
+
+
+def steady_state_torch(cfg, seconds: float) -> float:
+    from transformers import AutoTokenizer
+
+    from actors.engine import GenerateRequest, SamplingParams
+    from actors.engines import make_engine
+    from async_april.data import load_prompts
+    from async_april.models.tiny import resolve_model_path
+
+    path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    tok = AutoTokenizer.from_pretrained(path)
+    data = load_prompts(cfg, tok)
+    engine = make_engine(cfg, path, device="cpu", eos_token_ids=[tok.eos_token_id])
+    r = cfg.rollout
+
+    def req(i):
+        ids = data.row(i).prompt_ids
+        return GenerateRequest(f"ss/{i}/", ids, SamplingParams(r.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=i), prompt_len=len(ids))
+
+    return asyncio.run(_steady_state(engine, req, r.concurrency, seconds))
+
+
+def bench_simulated(steps: int, tmp: Path) -> list[dict]:
+    from learners.simulated import SimulatedLearner
+
+    out = []
+    for dist in SIM_DISTS:
+        limit = {"april": 16384, "copris": 40960, "lognormal": 4096}[dist]
+        over = ["rollout.engine=simulated", f"rollout.simulated_lengths={dist}", "rollout.simulated_time_scale=" + str(SIM_TIME_SCALE),
+                "rollout.batch_groups=32", "rollout.n_samples=8", "rollout.num_actors=2", "rollout.concurrency=128",
+                f"rollout.max_new_tokens={limit}", f"run.steps={steps}"]
+        base = mode_config("sync", tmp, over)
+        ceiling = steady_state_simulated(base, seconds=8.0)
+        for mode in MODES:
+            cfg = mode_config(mode, tmp, over)
+            progress(f"simulated/{dist}: {mode}")
+            rows = run(cfg, learner_factory=lambda *_: SimulatedLearner(step_s=30.0, time_scale=SIM_TIME_SCALE))
+            s = summarize(rows, warmup=1)
+            s["utilisation"] = s["generated_tokens_per_s"] / (ceiling * cfg.rollout.num_actors)
+            out.append({"engine": "simulated", "workload": dist, "mode": mode, **s, "steady_state_tokens_per_s": ceiling})
+    return out
+
+
+def bench_torch(steps: int, tmp: Path) -> list[dict]:
+    out = []
+    over = [f"run.steps={steps}", "rollout.concurrency=64"]
+    base = mode_config("sync", tmp, over)
+    ceiling = steady_state_torch(base, seconds=15.0)
+    for mode in MODES:
+        cfg = mode_config(mode, tmp, over)
+        progress(f"torch/tiny-reverse: {mode}")
+        s = summarize(run(cfg), warmup=2)
+        s["utilisation"] = s["generated_tokens_per_s"] / ceiling
+        out.append({"engine": "torch", "workload": "tiny-reverse", "mode": mode, **s, "steady_state_tokens_per_s": ceiling})
+    return out
+
+
+def add_ratios(results: list[dict]) -> None:
+    for r in results:
+        sync = next(x for x in results if x["engine"] == r["engine"] and x["workload"] == r["workload"] and x["mode"] == "sync")
+        r["useful_tokens_per_s_vs_sync"] = r["useful_tokens_per_s"] / sync["useful_tokens_per_s"]
+
+
+def table(results: list[dict]) -> str:
+    head = f"{'engine':<10}{'workload':<14}{'mode':<7}{'useful tok/s':>13}{'x sync':>8}{'idle':>7}{'util':>7}{'stale':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r['engine']:<10}{r['workload']:<14}{r['mode']:<7}{r['useful_tokens_per_s']:>13.0f}"
+                     f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{r['utilisation']:>7.2f}{r['staleness_max']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["simulated", "torch", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=None, help="steps per mode (default: 8 simulated, 25 torch)")
+    a = ap.parse_args(argv)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:
+        if a.engine in ("simulated", "both"):
+            results += bench_simulated(a.steps or 8, Path(tmp))
+        if a.engine in ("torch", "both"):
+            results += bench_torch(a.steps or 25, Path(tmp))
+    add_ratios(results)
+    print(table(results))
+    print(f"wrote {write_json('rollout_throughput.json', {'results': results})}")
+
+
+if __name__ == "__main__":
+    main()

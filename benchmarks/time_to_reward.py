@@ -1,0 +1,106 @@
+"""Wall time to a target reward for the sync, APRIL and async modes, and the correction ablation.
+
+Full training runs of the tiny CPU task, per mode and seed, one after the
+other in this process (the same machine state for each). Reported per mode:
+median over seeds of the wall time until the trailing 10-step mean reward
+reaches the target, the final reward (mean of the last 20% of steps), and the
+ratio of each median to sync's. A PNG plots reward against wall time.
+
+    python benchmarks/time_to_reward.py                         # 3 modes x 2 seeds
+    python benchmarks/time_to_reward.py --seeds 1234 7 --steps 200 --target 0.55
+    python benchmarks/time_to_reward.py --ablation              # async eta 4 / 8, correction on vs off
+
+Writes benchmarks/results/time_to_reward.json (or correction_ablation.json) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import MODES, RESULTS, final_reward, mode_config, reward_curve, run, time_to_target, write_json
+
+from async_april.plot import plot_curves
+from async_april.tracking import progress
+
+
+def run_one(label: str, mode: str, seed: int, steps: int, target: float, tmp: Path, extra: list[str]) -> dict:
+    cfg = mode_config(mode, tmp, [f"run.seed={seed}", f"run.steps={steps}", *extra])
+    progress(f"{label} seed {seed}: {steps} steps")
+    rows = run(cfg)
+    curve = reward_curve(rows)
+    return {
+        "label": label, "mode": mode, "seed": seed, "overrides": extra,
+        "time_to_target_s": time_to_target(curve, target),
+        "final_reward": final_reward([r["rollout/reward_mean"] for r in rows]),
+        "first_reward": final_reward([r["rollout/reward_mean"] for r in rows[: max(1, len(rows) // 10)]], frac=1.0),
+        "wall_s": curve[-1][0],
+        "step_s_median": statistics.median(r["timing_s/step"] for r in rows),
+        "staleness_max": max(r["staleness/max"] for r in rows),
+        "curve": curve,
+    }
+
+
+def summarize(runs: list[dict], baseline: str) -> list[dict]:
+    out = []
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    for label in labels:
+        rs = [r for r in runs if r["label"] == label]
+        ttt = [r["time_to_target_s"] for r in rs]
+        reached = [t for t in ttt if t is not None]
+        out.append({
+            "label": label,
+            "time_to_target_s_median": statistics.median(reached) if len(reached) == len(rs) else None,
+            "reached": f"{len(reached)}/{len(rs)}",
+            "final_reward_median": statistics.median(r["final_reward"] for r in rs),
+            "final_reward_per_seed": {r["seed"]: round(r["final_reward"], 4) for r in rs},
+            "step_s_median": statistics.median(r["step_s_median"] for r in rs),
+        })
+    base = next((s for s in out if s["label"] == baseline), None)
+    for s in out:
+        if base and base["time_to_target_s_median"] and s["time_to_target_s_median"]:
+            s["time_vs_baseline"] = s["time_to_target_s_median"] / base["time_to_target_s_median"]
+    return out
+
+
+def table(summary: list[dict], target: float, baseline: str) -> str:
+    head = f"{'run':<26}{'time to ' + str(target):>14}{'reached':>9}{'x ' + baseline:>9}{'final reward':>14}{'step s':>8}"
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        t = f"{s['time_to_target_s_median']:.0f}s" if s["time_to_target_s_median"] else "-"
+        ratio = f"{s['time_vs_baseline']:.2f}" if "time_vs_baseline" in s else "-"
+        lines.append(f"{s['label']:<26}{t:>14}{s['reached']:>9}{ratio:>9}{s['final_reward_median']:>14.3f}{s['step_s_median']:>8.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 7])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--target", type=float, default=0.55)
+    ap.add_argument("--ablation", action="store_true", help="async at eta 4 and 8, correction direct vs none")
+    a = ap.parse_args(argv)
+    if a.ablation:
+        plans = [(f"async eta{eta} {corr}", "async", [f"async.max_staleness={eta}", f"rollout.over_provision={eta + 1}",
+                                                       f"algorithm.correction={corr}"])
+                 for eta in (4, 8) for corr in ("direct", "none")]
+        baseline, name = "async eta4 direct", "correction_ablation"
+    else:
+        plans = [(mode, mode, []) for mode in MODES]
+        baseline, name = "sync", "time_to_reward"
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="aa-ttr-") as tmp:
+        for seed in a.seeds:
+            for label, mode, extra in plans:
+                runs.append(run_one(label, mode, seed, a.steps, a.target, Path(tmp), extra))
+    summary = summarize(runs, baseline)
+    print(table(summary, a.target, baseline))
+    png = plot_curves({f"{r['label']} s{r['seed']}": r["curve"] for r in runs}, RESULTS / f"{name}.png",
+                      xlabel="wall time (s)", ylabel="reward (trailing 10-step mean)", hline=a.target)
+    print(f"wrote {write_json(name + '.json', {'target': a.target, 'summary': summary, 'runs': runs})} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""SimulatedLearner: stands in for `LearnerGroup` where no model is trained.
+
+Used with the simulated engine for capacity planning and scheduling
+benchmarks: a step takes `a + b * tokens` simulated seconds (scaled to real
+time by `time_scale`, like the engine) and bumps the policy version; weight
+export is empty, so engines only record the new version. It never touches a
+model, so its only use is measuring how the rollout side behaves around a
+learner of a given speed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from async_april.batch import TrainBatch
+
+
+class SimulatedLearner:
+    def __init__(self, step_s: float = 20.0, s_per_token: float = 0.0, time_scale: float = 0.01):
+        self.step_s, self.s_per_token, self.time_scale = step_s, s_per_token, time_scale
+        self._version = 0
+        self.last_export_bytes = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        sim_s = self.step_s + self.s_per_token * batch.num_response_tokens
+        time.sleep(sim_s * self.time_scale)
+        self._version += 1
+        return {"train/policy_version": self._version, "loss/policy": 0.0, "timing_s/simulated_train": sim_s}
+
+    def weight_buckets(self, bucket_mb: float) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,348 @@
+"""Fault drills, one per row of docs/reliability.md: actor death, job kill + resume (sync and
+async), a truncated checkpoint, bad rewards, NaN loss, SGLang down, invalid config, secrets.
+
+Every run shares one embedded Ray cluster (module fixture) and a small config, so the whole
+file costs a few minutes on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from async_april.checkpointing import CheckpointManager
+from async_april.config import ConfigError, load_config
+from async_april.train import init_ray, train
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=24", "rollout.concurrency=16",
+         "logging.wandb=disabled", "logging.console_every=100"]
+
+
+def make_cfg(tmp_path, *overrides, name="run"):
+    return load_config(REPO / "configs/tiny_cpu.yaml", [f"run.dir={tmp_path}/{name}", *SMALL, *overrides])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    started = init_ray(make_cfg(Path("/tmp"), "rollout.num_actors=3"))
+    yield
+    if started:
+        ray.shutdown()
+
+
+def rows(cfg):
+    return [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def store_state(ckpt_dir: Path) -> dict:
+    with open(ckpt_dir / "store.pkl", "rb") as f:
+        return pickle.load(f)
+
+
+def assert_each_prompt_once(state: dict) -> None:
+    """The accounting invariant on a saved store state: every prompt taken is in exactly one state."""
+    from collections import Counter
+
+    leased = {uid for held in state["leases"].values() for uid in held}
+    assert not leased, "a saved store holds no leases (they are folded into partials)"
+    seen = Counter(state["trained"] + state["filtered"] + state["dropped"] + state.get("skipped", [])
+                   + [g.prompt_index for g in state["completed"]] + list(state["open_groups"]))
+    assert sorted(seen) == list(range(state["cursor"])), "a prompt taken from the dataset was lost"
+    assert max(seen.values()) == 1, f"a prompt is in two states: {[p for p, c in seen.items() if c > 1]}"
+
+
+# --------------------------------------------------------------------------- actor death
+def test_killed_generation_actor_is_replaced_and_nothing_is_lost(cluster, tmp_path):
+    import ray
+
+    cfg = make_cfg(tmp_path, "run.steps=3", "rollout.num_actors=2", "rollout.max_actor_restarts=1", "rollout.concurrency=4")
+    seen = {}
+
+    def on_step(step, batch, learner, pool):
+        if step == 1:
+            seen["leased"] = ray.get(pool.store.call.remote("leased_by", "gen0"))
+            pool.kill("gen0")  # mid-generation: it holds leases for the next batch
+        elif "gen2" in pool.actors:
+            seen.setdefault("replacement_version", []).append((ray.get(pool.actors["gen2"].version.remote()), learner.version))
+
+    train(cfg, on_step=on_step)
+    assert seen["leased"], "gen0 held no leases when killed; the drill did not test anything"
+    last = rows(cfg)[-1]
+    assert last["train/step"] == 3
+    assert last["rollout/actor_failures"] == 1 and last["rollout/actor_restarts"] == 1
+    assert last["rollout/actors_alive"] == 2
+    # The replacement loaded the learner's weights before leasing (never generates with version 0).
+    assert all(v == lv for v, lv in seen["replacement_version"])
+    state = store_state(CheckpointManager(cfg.run_dir).list()[-1])
+    assert_each_prompt_once(state)
+    assert len(state["trained"]) == len(set(state["trained"])) == 3 * cfg.rollout.batch_groups
+    assert all(r["staleness/max"] <= cfg.async_.max_staleness for r in rows(cfg))
+
+
+# --------------------------------------------------------------------------- resume: sync
+@pytest.mark.slow
+def test_sync_resume_from_step_k_equals_the_uninterrupted_run(cluster, tmp_path):
+    """Sync preset, 3 steps with a checkpoint after each; then a new job resumes from the step-1
+    checkpoint (what a job killed any time after step 1 finds) and runs steps 2-3."""
+    sync = ["run.steps=3", "async.max_staleness=0", "rollout.over_provision=1", "rollout.early_stop=false",
+            "rollout.on_weight_update=drain", "checkpoint.every=1", "checkpoint.keep=3"]
+    final = {}
+    cfg_a = make_cfg(tmp_path, *sync, name="a")
+    train(cfg_a, on_step=lambda step, batch, learner: final.__setitem__("a", learner.full_state_dict()) if step == 3 else None)
+    step1 = CheckpointManager(cfg_a.run_dir).path_for(1)
+    cfg_b = make_cfg(tmp_path, *sync, f"run.resume={step1}", name="b")
+    resumed_steps = []
+
+    def on_step_b(step, batch, learner):
+        resumed_steps.append(step)
+        if step == 3:
+            final["b"] = learner.full_state_dict()
+
+    train(cfg_b, on_step=on_step_b)
+    assert resumed_steps == [2, 3]
+    for k, w in final["a"].items():
+        torch.testing.assert_close(final["b"][k], w, atol=1e-5, rtol=0)
+    ra, rb = rows(cfg_a), rows(cfg_b)
+    for got, want in zip(rb, ra[1:]):
+        assert got["train/step"] == want["train/step"]
+        assert got["rollout/reward_mean"] == pytest.approx(want["rollout/reward_mean"], abs=1e-6)
+        assert got["loss/policy"] == pytest.approx(want["loss/policy"], abs=1e-5)
+    def per_step(state):  # the batch is the B groups admitted for that version, in completion order
+        t, b = state["trained"], cfg_a.rollout.batch_groups
+        return [sorted(t[i:i + b]) for i in range(0, len(t), b)]
+
+    assert per_step(store_state(CheckpointManager(cfg_b.run_dir).list()[-1])) == per_step(
+        store_state(CheckpointManager(cfg_a.run_dir).list()[-1]))
+
+
+# --------------------------------------------------------------------------- resume: async + truncated checkpoint
+class Crash(RuntimeError):
+    pass
+
+
+def test_async_job_killed_then_resumed_from_a_truncated_checkpoint_loses_nothing(cluster, tmp_path, caplog):
+    """Async preset (eta 2, interrupt): the job dies in step 3 (checkpoints 1 and 2 on disk);
+    checkpoint 2 is then truncated. `run.resume=auto` must skip it with a warning naming both,
+    resume from 1 (partials with their logprobs and versions), and finish with no prompt lost or
+    trained twice; metrics.jsonl keeps the rows written before the crash."""
+    cfg = make_cfg(tmp_path, "run.steps=5", "rollout.on_weight_update=interrupt", "rollout.concurrency=4",
+                   "checkpoint.every=1", "checkpoint.keep=3", "logging.wandb=offline")
+
+    def crash(step, batch, learner):
+        if step == 3:
+            raise Crash("simulated kill during step 3")
+
+    with pytest.raises(Crash):
+        train(cfg, on_step=crash)
+    mgr = CheckpointManager(cfg.run_dir)
+    assert [p.name for p in mgr.list()] == ["step_00000001", "step_00000002"]
+    rows_before = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    wandb_id = (cfg.run_dir / "wandb_run_id").read_text()
+    at_ckpt1 = store_state(mgr.path_for(1))
+    victim = mgr.path_for(2) / "store.pkl"
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated on disk
+
+    batches = []
+    cfg2 = make_cfg(tmp_path, "run.steps=5", "rollout.on_weight_update=interrupt", "rollout.concurrency=4",
+                    "checkpoint.every=1", "checkpoint.keep=3", "logging.wandb=offline", "run.resume=auto")
+    with caplog.at_level(logging.WARNING):
+        train(cfg2, on_step=lambda step, batch, learner: batches.append((step, batch)))
+    warning = " ".join(r.getMessage() for r in caplog.records if "step_00000002" in r.getMessage())
+    assert "truncated" in warning and "step_00000001" in warning
+    assert [s for s, _ in batches] == [2, 3, 4, 5]
+    text = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert text[: len(rows_before)] == rows_before, "metrics written before the crash were lost"
+    assert (cfg.run_dir / "wandb_run_id").read_text() == wandb_id
+    final = store_state(mgr.list()[-1])
+    assert_each_prompt_once(final)
+    assert len(final["trained"]) == len(set(final["trained"])) == 5 * cfg.rollout.batch_groups
+    assert final["trained"][: len(at_ckpt1["trained"])] == at_ckpt1["trained"]
+    # Partials saved at checkpoint 1 were resumed, not regenerated: each trained response that
+    # came from one starts with exactly the saved tokens, logprobs and versions.
+    trained_rows = {}
+    for _, b in batches:
+        for i in range(len(b)):
+            trained_rows.setdefault(b.input_ids[i][: b.prompt_lens[i]].tobytes(), []).append(
+                (b.input_ids[i][b.prompt_lens[i]:], b.behavior_logprobs[i], b.versions[i]))
+    resumed = 0
+    for s in at_ckpt1["partials"].values():
+        if s.prompt_index not in final["trained"]:
+            continue
+        cands = trained_rows[np.asarray(s.prompt_ids).tobytes()]
+        n = s.num_tokens
+        assert any(np.array_equal(ids[:n], s.response_ids) and np.array_equal(lp[:n], s.behavior_logprobs)
+                   and np.array_equal(v[:n], s.versions) for ids, lp, v in cands), f"partial {s.uid} was not resumed"
+        resumed += 1
+    assert resumed > 0 or not at_ckpt1["partials"]
+    assert all(r["staleness/max"] <= cfg.async_.max_staleness for r in rows(cfg))
+
+
+def test_truncated_or_incomplete_checkpoint_is_detected(tmp_path, caplog):
+    """Unit-level: checkpoints written by CheckpointManager with a stand-in learner; a truncated
+    file, a flipped byte and a missing manifest are each rejected, and the previous one is used."""
+
+    class FakeLearner:
+        def save_checkpoint(self, path):
+            Path(path).mkdir()
+            (Path(path) / "weights.bin").write_bytes(os.urandom(4096))
+
+    mgr = CheckpointManager(tmp_path, keep=3)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, step, FakeLearner(), {"cursor": step}, {"step": step}, None, "h")
+    assert [p.name for p in mgr.list()] == ["step_00000002", "step_00000003", "step_00000004"]  # keep=3
+    (mgr.path_for(4) / "learner/weights.bin").write_bytes(b"short")  # truncated
+    flipped = bytearray((mgr.path_for(3) / "learner/weights.bin").read_bytes())
+    flipped[7] ^= 0xFF
+    (mgr.path_for(3) / "learner/weights.bin").write_bytes(bytes(flipped))  # same size, corrupt
+    with caplog.at_level(logging.WARNING):
+        ck = mgr.latest_valid()
+    assert ck.step == 2 and ck.store_state() == {"cursor": 2}
+    msg = caplog.text
+    assert "step_00000004" in msg and "truncated" in msg and "step_00000003" in msg and "sha256" in msg and "step_00000002" in msg
+    (mgr.path_for(2) / "manifest.json").unlink()
+    assert mgr.latest_valid() is None
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+# --------------------------------------------------------------------------- bad rewards
+def test_reward_raising_with_on_error_stop_stops_with_its_message_and_keeps_output(cluster, tmp_path):
+    from async_april.rewards.scoring import RewardError
+
+    cfg = make_cfg(tmp_path, "run.steps=6", "reward.on_error=stop", "checkpoint.every=1", "async.max_staleness=0",
+                   "rollout.over_provision=1")
+    cfg.reward.functions = {"tests.fault_rewards:fails_after_40": 1.0}
+    with pytest.raises(RewardError, match=r"fails_after_40.*reward.on_error=stop.*injected failure") as info:
+        train(cfg)
+    assert "ray" not in str(info.value).lower()
+    got = rows(cfg)
+    assert 1 <= len(got) < 6 and [r["train/step"] for r in got] == list(range(1, len(got) + 1))
+    mgr = CheckpointManager(cfg.run_dir)
+    assert mgr.latest_valid().step == len(got), "the checkpoint of the last finished step is intact"
+
+
+@pytest.fixture(scope="module")
+def nan_reward_run(cluster, tmp_path_factory):
+    """One W&B-offline run with fake API keys in the environment and a reward that returns NaN."""
+    tmp = tmp_path_factory.mktemp("nanreward")
+    fake = {"WANDB_API_KEY": "wandbFAKEKEY0123456789abcdef", "HF_TOKEN": "hf_FAKETOKEN0123456789",
+            "MYSERVICE_API_KEY": "svcFAKEKEY987654321"}
+    saved = {k: os.environ.get(k) for k in [*fake, "WANDB_DIR", "WANDB_MODE"]}
+    os.environ.update(fake, WANDB_DIR=str(tmp))
+    try:
+        cfg = make_cfg(tmp, "run.steps=2", "logging.wandb=offline", "reward.on_error=zero")
+        cfg.reward.functions = {"tests.fault_rewards:nan_every_fifth": 1.0}
+        train(cfg)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return cfg, fake
+
+
+def test_reward_nan_is_scored_zero_and_counted(nan_reward_run):
+    cfg, _ = nan_reward_run
+    got = rows(cfg)
+    assert [r["train/step"] for r in got] == [1, 2]
+    assert got[-1]["rollout/reward_errors"] > 0
+    assert all(np.isfinite(r["rollout/reward_mean"]) for r in got)
+
+
+def test_api_keys_never_reach_the_run_directory(nan_reward_run):
+    cfg, fake = nan_reward_run
+    files = [p for p in cfg.run_dir.rglob("*") if p.is_file()]
+    assert any("offline-run" in str(p) for p in files), "W&B offline files were not written under the run dir"
+    for p in files:
+        data = p.read_bytes()
+        for name, value in fake.items():
+            assert value.encode() not in data, f"{name} leaked into {p}"
+
+
+def test_ray_dashboard_is_off_and_sglang_binds_loopback(cluster):
+    import inspect
+
+    import ray
+
+    from actors.engines.sglang_engine import SGLangEngine
+
+    node = ray._private.worker.global_worker.node
+    assert not node.address_info.get("webui_url"), "the embedded Ray dashboard must stay off"
+    assert '"--host", "127.0.0.1"' in inspect.getsource(SGLangEngine._launch)
+
+
+# --------------------------------------------------------------------------- NaN loss
+def test_nan_loss_skips_the_step_without_broadcast_then_stops(cluster, tmp_path, monkeypatch):
+    from learners.worker import INJECT_NAN_ENV
+
+    monkeypatch.setenv(INJECT_NAN_ENV, "2,3")
+    cfg = make_cfg(tmp_path, "run.steps=5", "learner.max_bad_steps=2", "checkpoint.every=1", "checkpoint.keep=5")
+    versions = []
+    with pytest.raises(RuntimeError, match=r"2 consecutive learner steps had a non-finite loss") as info:
+        train(cfg, on_step=lambda step, batch, learner: versions.append(learner.version))
+    assert "Traceback" not in str(info.value)
+    got = rows(cfg)
+    assert [r["train/step"] for r in got] == [1, 2]
+    assert got[1]["train/bad_step"] == 1 and got[1]["train/bad_steps"] == 1
+    assert got[1]["train/policy_version"] == 1 and versions == [1, 1]
+    assert "timing_s/weight_sync" not in got[1], "a skipped step must not broadcast weights"
+    assert got[1]["rollout/groups_skipped_bad_step"] == cfg.rollout.batch_groups
+    mgr = CheckpointManager(cfg.run_dir)
+    assert [mgr.verify(p).version for p in mgr.list()] == [1, 1]
+
+
+# --------------------------------------------------------------------------- SGLang server down
+def test_sglang_server_down_mid_run_returns_samples_and_recovers(cluster, tmp_path):
+    """The SGLang client against the stand-in server; the server goes down after step 1, the
+    actor's requests fail after the retry limit, its samples return to the store, and a replacement
+    (once the server is back) loads the current weights and finishes the run."""
+    import threading
+
+    from async_april.models.tiny import resolve_model_path
+    from tests.sglang_standin import StandinServer
+
+    cfg0 = make_cfg(tmp_path)
+    model = str(resolve_model_path(cfg0.model.path, cfg0.model.cache_dir))
+    srv = StandinServer(model, max_running=64)
+    url = srv.start()
+    port = srv.port
+    cfg = make_cfg(tmp_path, "run.steps=3", "rollout.engine=sglang", f"rollout.sglang_url={url}",
+                   "rollout.retries=1", "rollout.request_timeout_s=20", "rollout.max_actor_restarts=2")
+    servers = [srv]
+
+    def on_step(step, batch, learner):
+        if step == 1:
+            servers[0].stop()  # in-flight /generate calls fail: ServerDisconnected, then refused
+
+            def bring_back():
+                servers.append(StandinServer(model, port=port, max_running=64))
+                servers[-1].start()
+
+            threading.Timer(3.0, bring_back).start()
+
+    try:
+        train(cfg, on_step=on_step)
+    finally:
+        for s in servers:
+            s.stop()
+    last = rows(cfg)[-1]
+    assert last["train/step"] == 3 and last["rollout/actor_failures"] >= 1 and last["rollout/actor_restarts"] >= 1
+    assert_each_prompt_once(store_state(CheckpointManager(cfg.run_dir).list()[-1]))
+
+
+# --------------------------------------------------------------------------- invalid config
+def test_invalid_config_fails_before_any_actor_starts(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.n_samples"):
+        make_cfg(tmp_path, "rollout.n_samples=0")
+    out = subprocess.run([sys.executable, "-m", "async_april.train", "configs/tiny_cpu.yaml", f"run.dir={tmp_path}/x",
+                          "run.resume=/nonexistent/step_00000001"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "run.resume" in out.stderr
+    assert not (tmp_path / "x").exists() and "ray" not in out.stderr.lower()
