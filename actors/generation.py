@@ -30,9 +30,10 @@ POLL_S = 0.02
 """How often an idle actor asks the store for work again (admission may reopen)."""
 
 
-def sampling_seed(run_seed: int, sample: Sample) -> int:
-    """Per-request seed: reproducible whatever else shares the batch, new for each resume."""
-    key = f"{run_seed}/{sample.prompt_index}/{sample.sample_index}/{sample.num_tokens}".encode()
+def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True) -> int:
+    """Per-request seed: reproducible whatever else shares the batch, new for each resume
+    (or, with resumable=False, one per response: its identity across resumes)."""
+    key = f"{run_seed}/{sample.prompt_index}/{sample.sample_index}/{sample.num_tokens if resumable else 'response'}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
@@ -88,6 +89,7 @@ class GenerationActor:
                     request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/",
                     input_ids=sample.resume_input_ids(),
                     prompt_len=len(sample.prompt_ids),
+                    response_seed=sampling_seed(self.cfg.run.seed, sample, resumable=False),
                     sampling=SamplingParams(
                         max_new_tokens=remaining,
                         temperature=r.temperature,
@@ -103,15 +105,16 @@ class GenerationActor:
             else:
                 sample.finish_reason = "length"
             if sample.done:
-                sample.reward = self._score(sample)
+                sample.reward = await self._score(sample)
             await self.store.push_async.remote(self.actor_id, [sample], early_stop=self.early_stopping)
         finally:
             self.inflight.pop(sample.uid, None)
 
-    def _score(self, sample: Sample) -> float:
+    async def _score(self, sample: Sample) -> float:
+        """Off the engine's path: a process pool when reward.num_workers > 0."""
         prompt = self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
         response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        total, sample.reward_parts = self.scorer.score(prompt, response, sample.answer or "", sample.extra)
+        total, sample.reward_parts = await self.scorer.score_async(prompt, response, sample.answer or "", sample.extra)
         return total
 
     async def _settle(self) -> None:
@@ -173,6 +176,7 @@ class GenerationActor:
         self.stopping = True
         await self.engine.abort_all()
         await self._settle()
+        self.scorer.close()
 
     def metrics(self) -> dict[str, float]:
         st = self.engine.stats()

@@ -56,8 +56,9 @@ class ActorPool:
 
         actor_id = f"gen{self._next}"
         self._next += 1
-        self.actors[actor_id] = ray.remote(GenerationActor).options(num_cpus=1, max_concurrency=1000).remote(
-            self.cfg, actor_id, self.store, self.model_path)
+        self.actors[actor_id] = ray.remote(GenerationActor).options(
+            num_cpus=1, num_gpus=self.cfg.rollout.gpus_per_actor, max_concurrency=1000,
+        ).remote(self.cfg, actor_id, self.store, self.model_path)
         return actor_id
 
     def start_loops(self) -> None:
@@ -204,7 +205,9 @@ class ActorPool:
         for i in actor_ids:
             log.warning("retiring generation actor %s: its engine did not load the new weights", i)
             ray.kill(self.actors[i], no_restart=True)
-        ray.wait([self.loops[i] for i in actor_ids if i in self.loops], num_returns=len(actor_ids), timeout=60)
+        refs = [self.loops[i] for i in actor_ids if i in self.loops]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=60)
         return self.check()
 
     def totals(self) -> dict[str, float]:

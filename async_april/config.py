@@ -103,6 +103,8 @@ class RolloutConfig(Section):
     """Generation backend; see docs/engines.md."""
     num_actors: int = Field(1, ge=1, le=1024)
     """Generation actors (one engine each)."""
+    gpus_per_actor: float = Field(0.0, ge=0.0, le=64.0)
+    """GPUs Ray reserves for each generation actor (its engine; an SGLang server with tensor parallelism takes its tp size). 0 on CPU; fractions share a GPU with the learner."""
     batch_groups: int = Field(16, ge=1)
     """Prompts (groups) per learner step, B."""
     n_samples: int = Field(8, ge=1, le=1024)
@@ -196,6 +198,8 @@ class LearnerConfig(Section):
     """Learner ranks (one Ray actor each; FSDP2 across them)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Learner device; auto picks cuda when available."""
+    gpus_per_rank: float = Field(1.0, gt=0.0, le=1.0)
+    """GPU share Ray reserves per learner rank on GPU clusters; below 1 to colocate with engines on one GPU."""
     lr: float = Field(1e-4, gt=0.0, le=1.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)

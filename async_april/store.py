@@ -166,6 +166,7 @@ class RolloutStore:
         for s in held.values():
             self._to_partial(s)
         self.counters.actor_failures += 1
+        self.counters.extra["samples_released"] += len(held)
         return len(held)
 
     def leased_by(self, actor_id: str) -> list[str]:
@@ -272,10 +273,12 @@ class RolloutStore:
             "rollout/completed_waiting": len(self.completed),
             "rollout/leased": sum(len(h) for h in self.leases.values()),
             "rollout/actor_failures": c.actor_failures,
+            "rollout/samples_released": c.extra["samples_released"],
             "rollout/groups_skipped_bad_step": c.skipped_groups,
             "data/prompt_cursor": self.cursor,
             "data/rejected_long_prompts": self.dataset.rejected_long,
             "data/truncated_long_prompts": self.dataset.truncated_long,
+            "data/bad_rows": self.dataset.bad_rows,
         }
 
     # -- checkpointing --------------------------------------------------------

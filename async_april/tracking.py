@@ -28,7 +28,7 @@ CONSOLE_KEYS = (
     ("loss/policy", "loss {:+.4f}"),
     ("staleness/max", "stale {:.0f}"),
     ("perf/rollout_tokens_per_s", "gen {:.0f} tok/s"),
-    ("timing_s/wait_data", "wait {:.2f}s"),
+    ("timing_s/rollout", "wait {:.2f}s"),
     ("timing_s/train", "train {:.2f}s"),
     ("timing_s/weight_sync", "sync {:.2f}s"),
 )

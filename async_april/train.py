@@ -38,7 +38,7 @@ from async_april.config import Config, ConfigError, load_config, save_config
 from async_april.tracking import Tracker, progress, redact
 
 
-def train(cfg: Config, on_step=None) -> Path:
+def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     """Run `cfg`; `on_step(step, batch, learner)`, if given, sees each trained batch (tests, tools);
     if it takes a `pool` keyword it also gets the `ActorPool` (fault drills: `pool.kill("gen0")`)."""
     import ray
@@ -65,7 +65,7 @@ def train(cfg: Config, on_step=None) -> Path:
     started_ray = init_ray(cfg)
     tracker = Tracker(cfg, run_dir, resume=resume is not None)  # metrics.jsonl is appended on resume
     try:
-        run_loop(cfg, model_path, dataset, tracker, on_step, resume)
+        run_loop(cfg, model_path, dataset, tracker, on_step, resume, learner_factory)
     finally:
         tracker.close()
         if started_ray:
@@ -73,7 +73,7 @@ def train(cfg: Config, on_step=None) -> Path:
     return run_dir
 
 
-def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=None, resume=None) -> None:
+def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=None, resume=None, learner_factory=None) -> None:
     import ray
 
     from actors.pool import ActorPool
@@ -82,7 +82,7 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
     from learners.weight_sync import WeightSyncer
 
     store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, dataset)
-    learner = LearnerGroup(cfg, model_path)
+    learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg) if resume is not None else RunState(cfg)
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
@@ -119,7 +119,7 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
             last = now
             run.step = step
             metrics.update(run.metrics(pool, learner.version))
-            metrics.update({"timing_s/wait_data": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
+            metrics.update({"timing_s/rollout": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
             tracker.log(metrics)
             if on_step is not None:
                 on_step(step, batch, learner, **({"pool": pool} if hook_gets_pool else {}))

@@ -43,7 +43,7 @@ class LearnerGroup:
         lc = cfg.learner
         self.world_size = lc.world_size
         use_gpu = lc.device == "cuda" or (lc.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        bundle = {"GPU": lc.gpus_per_rank, "CPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=ready_timeout_s)
 
@@ -60,7 +60,7 @@ class LearnerGroup:
         env = {"env_vars": env_vars}
         self.workers = [
             actor_cls.options(
-                num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=on(r), runtime_env=env,
+                num_cpus=1, num_gpus=lc.gpus_per_rank if use_gpu else 0, scheduling_strategy=on(r), runtime_env=env,
                 name=None, max_concurrency=1,
             ).remote(cfg, str(model_path), r, self.world_size, addr, port)
             for r in range(self.world_size)

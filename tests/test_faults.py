@@ -12,6 +12,8 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,18 +71,27 @@ def test_killed_generation_actor_is_replaced_and_nothing_is_lost(cluster, tmp_pa
     cfg = make_cfg(tmp_path, "run.steps=3", "rollout.num_actors=2", "rollout.max_actor_restarts=1", "rollout.concurrency=4")
     seen = {}
 
+    def kill_when_busy(pool):
+        """Generation outruns this tiny learner, so wait until gen0 holds leases, then kill it."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not seen.get("leased"):
+            seen["leased"] = ray.get(pool.store.call.remote("leased_by", "gen0"))
+        pool.kill("gen0")
+
     def on_step(step, batch, learner, pool):
         if step == 1:
-            seen["leased"] = ray.get(pool.store.call.remote("leased_by", "gen0"))
-            pool.kill("gen0")  # mid-generation: it holds leases for the next batch
+            seen["killer"] = threading.Thread(target=kill_when_busy, args=(pool,))
+            seen["killer"].start()
         elif "gen2" in pool.actors:
             seen.setdefault("replacement_version", []).append((ray.get(pool.actors["gen2"].version.remote()), learner.version))
 
     train(cfg, on_step=on_step)
+    seen["killer"].join()
     assert seen["leased"], "gen0 held no leases when killed; the drill did not test anything"
     last = rows(cfg)[-1]
     assert last["train/step"] == 3
     assert last["rollout/actor_failures"] == 1 and last["rollout/actor_restarts"] == 1
+    assert last["rollout/samples_released"] >= 1, "the killed actor's leases went back to the store"
     assert last["rollout/actors_alive"] == 2
     # The replacement loaded the learner's weights before leasing (never generates with version 0).
     assert all(v == lv for v, lv in seen["replacement_version"])

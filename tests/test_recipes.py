@@ -43,11 +43,14 @@ def test_recipe_is_consistent_with_its_node_layout(path):
     res = resources(path)
     r, lc = cfg.rollout, cfg.learner
     gpus = res["nodes"] * res["gpus"]
+    reserved = r.num_actors * r.gpus_per_actor + lc.world_size * lc.gpus_per_rank
+    assert 0 < reserved <= gpus, f"Ray would reserve {reserved} GPUs on a {gpus}-GPU layout"
+    assert r.gpus_per_actor > 0, "an SGLang engine needs a GPU share"
     if res["colocate"]:  # engines and learner ranks share GPUs
-        assert max(r.num_actors, lc.world_size) <= gpus
+        assert r.gpus_per_actor < 1 and lc.gpus_per_rank < 1
         assert cfg.weight_sync.transport == "object_store", "NCCL cannot put two ranks on one GPU"
     else:
-        assert r.num_actors + lc.world_size <= gpus, f"{r.num_actors} engines + {lc.world_size} learner ranks > {gpus} GPUs"
+        assert r.gpus_per_actor >= 1 and lc.gpus_per_rank == 1
         assert cfg.weight_sync.transport in ("nccl", "object_store")
     assert f"{res['gpus']}gpu" in path.stem
     assert cfg.model.dtype == "bfloat16" and lc.device == "cuda" and r.engine == "sglang"

@@ -59,7 +59,8 @@ def make_engine(
     if kind == "simulated":
         from actors.engines.simulated import SimulatedEngine
 
-        return SimulatedEngine(r.simulated_lengths, max_running=r.concurrency, version=version, **overrides)
+        kw = {"time_scale": r.simulated_time_scale, **overrides}
+        return SimulatedEngine(r.simulated_lengths, max_running=r.concurrency, version=version, **kw)
     raise ValueError(f"rollout.engine={kind!r}: expected torch, sglang or simulated")
 
 
