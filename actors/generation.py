@@ -58,6 +58,8 @@ class GenerationActor:
         self.stopping = False
         self.early_stopping = False
         self.generated_tokens = 0
+        self.outbox: list[tuple[Sample, bool]] = []
+        """Samples returned by the engine, not yet pushed: (sample, aborted by an early stop)."""
         self.weight_load_s = 0.0
 
     async def start(self) -> int:
@@ -69,46 +71,44 @@ class GenerationActor:
         """Lease, generate, push until `stop()`; returns only then (or raises)."""
         while not self.stopping:
             await self.open.wait()
+            self._reap()
+            await self._flush()  # the store hears of completions before it hands out more work
             free = self.cfg.rollout.concurrency - len(self.inflight)
             if free > 0:
                 for s in await self.store.lease_async.remote(self.actor_id, free, self.engine.version):
                     self.inflight[s.uid] = asyncio.create_task(self._generate(s))
             if self.inflight:
-                done, _ = await asyncio.wait(list(self.inflight.values()), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()  # re-raise engine or reward failures: the actor dies, its leases return
+                await asyncio.wait(list(self.inflight.values()), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                self._reap()
             else:
                 await asyncio.sleep(POLL_S)
 
     async def _generate(self, sample: Sample) -> None:
         r = self.cfg.rollout
         remaining = r.max_new_tokens - sample.num_tokens
-        try:
-            if remaining > 0:
-                req = GenerateRequest(
-                    request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/",
-                    input_ids=sample.resume_input_ids(),
-                    prompt_len=len(sample.prompt_ids),
-                    response_seed=sampling_seed(self.cfg.run.seed, sample, resumable=False),
-                    sampling=SamplingParams(
-                        max_new_tokens=remaining,
-                        temperature=r.temperature,
-                        top_p=r.top_p,
-                        top_k=r.top_k,
-                        stop_token_ids=(self.tokenizer.eos_token_id,),
-                        seed=sampling_seed(self.cfg.run.seed, sample),
-                    ),
-                )
-                res = await self.engine.generate(req)
-                sample.extend(res.output_ids, res.logprobs, res.versions, res.finish_reason)
-                self.generated_tokens += len(res.output_ids)
-            else:
-                sample.finish_reason = "length"
-            if sample.done:
-                sample.reward = await self._score(sample)
-            await self.store.push_async.remote(self.actor_id, [sample], early_stop=self.early_stopping)
-        finally:
-            self.inflight.pop(sample.uid, None)
+        if remaining > 0:
+            req = GenerateRequest(
+                request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/",
+                input_ids=sample.resume_input_ids(),
+                prompt_len=len(sample.prompt_ids),
+                response_seed=sampling_seed(self.cfg.run.seed, sample, resumable=False),
+                sampling=SamplingParams(
+                    max_new_tokens=remaining,
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    top_k=r.top_k,
+                    stop_token_ids=(self.tokenizer.eos_token_id,),
+                    seed=sampling_seed(self.cfg.run.seed, sample),
+                ),
+            )
+            res = await self.engine.generate(req)
+            sample.extend(res.output_ids, res.logprobs, res.versions, res.finish_reason)
+            self.generated_tokens += len(res.output_ids)
+        else:
+            sample.finish_reason = "length"
+        if sample.done:
+            sample.reward = await self._score(sample)
+        self.outbox.append((sample, self.early_stopping))
 
     async def _score(self, sample: Sample) -> float:
         """Off the engine's path: a process pool when reward.num_workers > 0."""
@@ -120,7 +120,31 @@ class GenerationActor:
     async def _settle(self) -> None:
         """Wait until every in-flight request has returned and pushed its sample."""
         while self.inflight:
-            await asyncio.gather(*list(self.inflight.values()), return_exceptions=True)
+            await asyncio.wait(list(self.inflight.values()))
+            self._reap()
+        await self._flush()
+
+    def _reap(self) -> None:
+        """Forget finished requests; re-raise the first failure (engine crash, reward with
+        on_error=stop) so the actor dies and the controller returns its leases to the store.
+        Only here are tasks removed, so no failure goes unseen."""
+        failed = None
+        for uid, task in list(self.inflight.items()):
+            if task.done():
+                del self.inflight[uid]
+                if failed is None and not task.cancelled() and task.exception() is not None:
+                    failed = task.exception()
+        if failed is not None:
+            raise failed
+
+    async def _flush(self) -> None:
+        """Push finished and aborted samples in one call per kind: one RPC per loop turn, not per
+        sample (an interrupt returns every in-flight request at once)."""
+        out, self.outbox = self.outbox, []
+        for early in (False, True):
+            batch = [s for s, e in out if e is early]
+            if batch:
+                await self.store.push_async.remote(self.actor_id, batch, early_stop=early)
 
     # -- control from the controller ------------------------------------------------
     async def update_weights(self, payload, version: int) -> float:

@@ -32,7 +32,7 @@ def run_one(label: str, mode: str, seed: int, steps: int, target: float, tmp: Pa
     rows = run(cfg)
     curve = reward_curve(rows)
     return {
-        "label": label, "mode": mode, "seed": seed, "overrides": extra,
+        "label": label, "mode": mode, "seed": seed, "steps": steps, "overrides": extra,
         "time_to_target_s": time_to_target(curve, target),
         "final_reward": final_reward([r["rollout/reward_mean"] for r in rows]),
         "first_reward": final_reward([r["rollout/reward_mean"] for r in rows[: max(1, len(rows) // 10)]], frac=1.0),

@@ -10,6 +10,7 @@ Needs the `bench` extra (`pip install -e '.[bench]'`).
 
     python benchmarks/vs_trl.py                    # seeds 1234 and 7, 200 steps each
     python benchmarks/vs_trl.py --seeds 1234 --steps 120 --target 0.55
+    python benchmarks/vs_trl.py --reuse benchmarks/results/time_to_reward.json   # TRL only, ours from that run
 
 Prints a table and writes benchmarks/results/vs_trl.json and vs_trl.png.
 """
@@ -78,12 +79,29 @@ def run_trl(seed: int, steps: int, tmp: Path) -> tuple[list[tuple[float, float]]
     return curve, rewards
 
 
+def _reusable_runs(path: Path, seeds: list[int], steps: int) -> dict:
+    """This project's runs from time_to_reward.py, keyed by (mode, seed); refuses a mismatch."""
+    import json
+
+    data = json.loads(path.read_text())
+    found = {(r["mode"], r["seed"]): {"seed": r["seed"], "curve": [tuple(p) for p in r["curve"]], "final_reward": r["final_reward"]}
+             for r in data["runs"] if r["label"] in ("sync", "async") and r.get("steps") == steps}
+    missing = [(m, s) for s in seeds for m in ("sync", "async") if (m, s) not in found]
+    if missing:
+        raise SystemExit(f"{path} has no {missing} runs of {steps} steps; run without --reuse")
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 7])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--target", type=float, default=0.55)
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="take this project's sync/async runs from a time_to_reward.json of the same session "
+                         "(same seeds and steps) instead of running them again")
     a = ap.parse_args(argv)
+    reused = _reusable_runs(a.reuse, a.seeds, a.steps) if a.reuse else None
     runs = []
     with tempfile.TemporaryDirectory(prefix="aa-trl-") as tmp:
         for seed in a.seeds:
@@ -91,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
             curve, rewards = run_trl(seed, a.steps, Path(tmp))
             runs.append({"label": "TRL GRPOTrainer", "seed": seed, "curve": curve, "final_reward": final_reward(rewards)})
             for mode in ("sync", "async"):
+                if reused is not None:
+                    runs.append({**reused[(mode, seed)], "label": f"async-april {mode}"})
+                    continue
                 progress(f"async-april {mode} seed {seed}")
                 rows = run(mode_config(mode, Path(tmp), [f"run.seed={seed}", f"run.steps={a.steps}"]))
                 runs.append({"label": f"async-april {mode}", "seed": seed, "curve": reward_curve(rows),

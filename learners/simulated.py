@@ -29,10 +29,24 @@ class SimulatedLearner:
         sim_s = self.step_s + self.s_per_token * batch.num_response_tokens
         time.sleep(sim_s * self.time_scale)
         self._version += 1
-        return {"train/policy_version": self._version, "loss/policy": 0.0, "timing_s/simulated_train": sim_s}
+        return {"train/policy_version": self._version, "train/bad_step": 0, "loss/policy": 0.0, "timing_s/simulated_train": sim_s}
 
     def weight_buckets(self, bucket_mb: float) -> list:
         return []
 
     def shutdown(self) -> None:
         pass
+
+    def save_checkpoint(self, path: str) -> None:
+        import json
+        from pathlib import Path
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "simulated_learner.json").write_text(json.dumps({"version": self._version}))
+
+    def load_checkpoint(self, path: str) -> dict[str, int]:
+        import json
+        from pathlib import Path
+
+        self._version = json.loads((Path(path) / "simulated_learner.json").read_text())["version"]
+        return {"version": self._version}
