@@ -63,12 +63,6 @@ class TrainBatch:
             loads[r] += lengths[i]
         return self.select(np.nonzero(owner == rank)[0])
 
-    def staleness(self) -> np.ndarray:
-        """Per-token lag in versions, over all response tokens."""
-        if not self.versions:
-            return np.zeros(0, np.int64)
-        return self.policy_version - np.concatenate(self.versions)
-
 
 def build_train_batch(groups: list[Group], advantages: np.ndarray, policy_version: int) -> TrainBatch:
     """Flatten groups (row-major: group, then sample) with their [groups x n] advantages."""

@@ -178,13 +178,14 @@ def make_batch(groups, cfg: Config, version: int):
     import torch
 
     from async_april.algorithms.advantages import compute_advantages
+    from async_april.algorithms.losses import staleness_metrics
     from async_april.batch import build_train_batch
 
     rewards = np.stack([g.rewards for g in groups])
     adv = compute_advantages(torch.from_numpy(rewards), cfg.algorithm.advantage, cfg.algorithm.adv_eps).numpy()
     batch = build_train_batch(groups, adv, version)
     lens = batch.response_lens
-    lag = batch.staleness()
+    lag = staleness_metrics(batch.versions, version)
     finish = [s.finish_reason for g in groups for s in g.samples]
     parts = [s.reward_parts for g in groups for s in g.samples]
     reward_means = {f"reward/{k}": float(np.mean([p.get(k, 0.0) for p in parts])) for k in cfg.reward.functions}
@@ -197,8 +198,10 @@ def make_batch(groups, cfg: Config, version: int):
         "rollout/length_capped_frac": finish.count("length") / len(finish),
         "rollout/tokens": int(lens.sum()),
         "rollout/resumed_samples": sum(s.num_resumes > 0 for g in groups for s in g.samples),
-        "staleness/max": int(lag.max()) if lag.size else 0,
-        "staleness/mean": float(lag.mean()) if lag.size else 0.0,
+        # Per-token lag in versions; token_lag_* are the same numbers under the loss module's names.
+        **lag,
+        "staleness/max": int(lag["staleness/token_lag_max"]),
+        "staleness/mean": lag["staleness/token_lag_mean"],
     }
 
 
