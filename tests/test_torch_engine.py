@@ -57,14 +57,17 @@ def req(rid, prompt, max_new, seed, **kw):
     return GenerateRequest(rid, np.asarray(prompt, np.int64), SamplingParams(max_new_tokens=max_new, seed=seed, **kw))
 
 
-def test_logprobs_exact_with_staggered_joins(model_dir, weights):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logprobs_exact_with_staggered_joins(model_dir, weights, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     rng = np.random.default_rng(1)
     reqs = [req(f"x{i:03d}#", rng.integers(4, 14, size=int(rng.integers(2, 25))), int(rng.integers(1, 50)), seed=i,
                 temperature=float(rng.choice([0.7, 1.0, 1.3])))
             for i in range(24)]
 
     async def main():
-        eng = TorchEngine(model_dir, max_running=8, max_batch_tokens=256, eos_token_ids=())
+        eng = TorchEngine(model_dir, device=device, max_running=8, max_batch_tokens=256, eos_token_ids=())
         await eng.start()
 
         async def one(i, r):
