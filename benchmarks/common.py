@@ -37,14 +37,20 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def reward_curve(rows: list[dict], window: int = 10) -> list[tuple[float, float]]:
+WINDOW = 10
+"""Steps in the trailing reward mean. Points start once the window is full: the first batches of
+the april and async modes are biased towards short (easier) responses, which finish first, so a
+partial window would 'reach' a target in the first seconds."""
+
+
+def trailing_curve(times: list[float], rewards: list[float], window: int = WINDOW) -> list[tuple[float, float]]:
+    return [(times[i], statistics.mean(rewards[i - window + 1 : i + 1])) for i in range(window - 1, len(rewards))]
+
+
+def reward_curve(rows: list[dict], window: int = WINDOW) -> list[tuple[float, float]]:
     """(wall seconds since the first step started, trailing mean reward over `window` steps)."""
     t0 = rows[0]["time/elapsed_s"] - rows[0]["timing_s/step"]
-    out = []
-    for i, r in enumerate(rows):
-        recent = [x["rollout/reward_mean"] for x in rows[max(0, i - window + 1) : i + 1]]
-        out.append((r["time/elapsed_s"] - t0, statistics.mean(recent)))
-    return out
+    return trailing_curve([r["time/elapsed_s"] - t0 for r in rows], [r["rollout/reward_mean"] for r in rows], window)
 
 
 def time_to_target(curve: list[tuple[float, float]], target: float) -> float | None:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, final_reward, mode_config, reward_curve, run, time_to_target, write_json
+from common import RESULTS, final_reward, mode_config, reward_curve, run, time_to_target, trailing_curve, write_json
 
 from async_april.plot import plot_curves
 from async_april.tracking import progress
@@ -75,8 +75,7 @@ def run_trl(seed: int, steps: int, tmp: Path) -> tuple[list[tuple[float, float]]
         train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Record()],
     )
     trainer.train()
-    curve = [(t, statistics.mean(rewards[max(0, i - 9) : i + 1])) for i, t in enumerate(times)]
-    return curve, rewards
+    return trailing_curve(times, rewards), rewards
 
 
 def _reusable_runs(path: Path, seeds: list[int], steps: int) -> dict:
