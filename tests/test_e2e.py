@@ -93,12 +93,14 @@ def _free_port() -> int:
 def test_ray_job_submit_against_a_local_head(tmp_path):
     """`ray start --head` on loopback with its own temp dir; `ray job submit` with token auth; stop only our processes."""
     temp_dir = Path("/tmp") / f"aa-ray-{os.getpid()}"  # short: Ray's socket paths have a length limit
-    gcs_port, dash_port = _free_port(), _free_port()
+    gcs_port, dash_port, agent_port, client_port = _free_port(), _free_port(), _free_port(), _free_port()
     env = {**cli_env(tmp_path), "RAY_TMPDIR": str(temp_dir)}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={gcs_port}",
          f"--dashboard-port={dash_port}", "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1",
+         # the job agent's default port (52365) is taken by any other Ray on the machine, even an embedded one
+         f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
          "--num-cpus=4", f"--temp-dir={temp_dir}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
