@@ -197,15 +197,6 @@ def test_flash_attention_without_package_is_a_clear_error(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def two_rank_run(ray_cluster, model_path, tmp_path_factory):
     """4 steps at world size 2, with a checkpoint after step 2 (saving changes nothing)."""
     from learners.group import LearnerGroup

@@ -78,15 +78,6 @@ def test_disk_writer_is_atomic_and_prunes_old_versions(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     from async_april.models import build_random_tiny_model
 
