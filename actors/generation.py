@@ -28,6 +28,8 @@ from async_april.trajectory import Sample
 
 POLL_S = 0.02
 """How often an idle actor asks the store for work again (admission may reopen)."""
+LEASE_BLOCK_DIVISOR = 8
+"""A busy actor leases once concurrency / LEASE_BLOCK_DIVISOR slots are free."""
 
 
 def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True) -> int:
@@ -61,10 +63,17 @@ class GenerationActor:
         self.outbox: list[tuple[Sample, bool]] = []
         """Samples returned by the engine, not yet pushed: (sample, aborted by an early stop)."""
         self.weight_load_s = 0.0
+        self.lease_block = max(1, cfg.rollout.concurrency // LEASE_BLOCK_DIVISOR)
 
     async def start(self) -> int:
         await self.engine.start()
         return self.engine.version
+
+    def pin_cpus(self, cores: tuple[int, ...]) -> None:
+        """Pin this actor's process, the engine's thread included, to `cores` (run.pin_cpus)."""
+        from async_april.cpu_pinning import pin_process
+
+        pin_process(cores)
 
     # -- the loop -------------------------------------------------------------
     async def run(self) -> None:
@@ -74,7 +83,9 @@ class GenerationActor:
             self._reap()
             await self._flush()  # the store hears of completions before it hands out more work
             free = self.cfg.rollout.concurrency - len(self.inflight)
-            if free > 0:
+            # Lease a block of slots at a time, not one per finished request: every lease is a store
+            # call on the learner's CPU share, and engines admit new requests in blocks anyway.
+            if free >= self.lease_block or (free > 0 and not self.inflight):
                 for s in await self.store.lease_async.remote(self.actor_id, free, self.engine.version):
                     self.inflight[s.uid] = asyncio.create_task(self._generate(s))
             if self.inflight:

@@ -18,6 +18,7 @@ import logging
 from typing import Any, Callable
 
 from async_april.config import Config
+from async_april.cpu_pinning import CpuPlan
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,13 @@ class NoGenerationActorsError(RuntimeError):
 
 
 class ActorPool:
-    def __init__(self, cfg: Config, store, model_path: str, load_weights: Callable[[list], Any] | None = None):
-        """`load_weights(handles)` pushes the learner's current weights and version to new actors."""
+    def __init__(self, cfg: Config, store, model_path: str, load_weights: Callable[[list], Any] | None = None,
+                 cpu_plan: "CpuPlan | None" = None):
+        """`load_weights(handles)` pushes the learner's current weights and version to new actors;
+        with `cpu_plan` (run.pin_cpus) each actor, replacements included, gets a core of its own."""
         self.cfg, self.store, self.model_path = cfg, store, model_path
         self.load_weights = load_weights
+        self.cpu_plan = cpu_plan
         self.actors: dict[str, Any] = {}
         self.loops: dict[str, Any] = {}
         self.restarts = 0
@@ -48,6 +52,7 @@ class ActorPool:
 
         new = [self._spawn() for _ in range(n)]
         ray.get([self.actors[i].start.remote() for i in new])
+        self._pin(new)
 
     def _spawn(self) -> str:
         import ray
@@ -60,6 +65,12 @@ class ActorPool:
             num_cpus=1, num_gpus=self.cfg.rollout.gpus_per_actor, max_concurrency=1000,
         ).remote(self.cfg, actor_id, self.store, self.model_path)
         return actor_id
+
+    def _pin(self, actor_ids: list[str]) -> None:
+        import ray
+
+        if self.cpu_plan is not None:  # after start(): the engine's thread exists and is pinned too
+            ray.get([self.actors[i].pin_cpus.remote((self.cpu_plan.engine_core(int(i.removeprefix("gen"))),)) for i in actor_ids])
 
     def start_loops(self) -> None:
         for i, a in self.actors.items():
@@ -137,6 +148,7 @@ class ActorPool:
         self.restarts += 1
         new_id = self._spawn()
         ray.get(self.actors[new_id].start.remote())
+        self._pin([new_id])
         if self.load_weights is not None:
             self.load_weights([self.actors[new_id]])  # current weights + version BEFORE any lease
         log.warning("started %s to replace %s (restart %d of %d)", new_id, actor_id, self.restarts,

@@ -43,6 +43,8 @@ class RunConfig(Section):
     """Ray cluster address. None: join the cluster when run under `ray job submit`, else start an embedded one."""
     resume: str | None = None
     """Checkpoint to resume from: a path, `auto` (latest in the run directory) or None."""
+    pin_cpus: bool = False
+    """CPU runs on one machine: pin each generation actor to a core of its own and the learner, store and driver to the other cores, as a cluster dedicates GPUs (async_april/cpu_pinning.py). Needs Linux and rollout.num_actors + 1 cores; otherwise a warning and no pinning."""
 
 
 class ModelConfig(Section):

@@ -80,6 +80,7 @@ class RolloutStore:
     def lease(self, actor_id: str, max_items: int, engine_version: int) -> list[Sample]:
         """Up to `max_items` samples for `actor_id`, partials first, then fresh, then new groups."""
         out: list[Sample] = []
+        self.counters.extra["lease_calls"] += 1
         for uid in sorted(self.partials, key=self._partial_order):
             if len(out) == max_items:
                 break
@@ -125,6 +126,7 @@ class RolloutStore:
     def push(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
         """Finished samples (scored) or aborted partials from `actor_id`."""
         held = self.leases.setdefault(actor_id, {})
+        self.counters.extra["push_calls"] += 1
         for s in samples:
             if held.pop(s.uid, None) is None:
                 # A lease already returned to the pool (its actor was declared dead) or
@@ -179,12 +181,22 @@ class RolloutStore:
         self._apply_stale_policy()
         if len(self.completed) < self.batch_groups:
             return None
-        batch = [self.completed.popleft() for _ in range(self.batch_groups)]
+        # Oldest tokens first (completion order among equals): a group that finished late
+        # because one of its responses was long is trained before it crosses eta, instead
+        # of being overtaken by newer short groups and regenerated.
+        by_age = sorted(range(len(self.completed)), key=lambda i: self._group_age_key(self.completed[i]))
+        chosen = set(by_age[: self.batch_groups])
+        batch = [g for i, g in enumerate(self.completed) if i in chosen]
+        self.completed = deque(g for i, g in enumerate(self.completed) if i not in chosen)
         for g in batch:
             self.trained.append(g.prompt_index)
             self.counters.aborted_tokens_reused += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
         self.counters.trained_groups += len(batch)
         return batch
+
+    def _group_age_key(self, g: Group) -> int:
+        v = g.min_version()
+        return v if v >= 0 else self.version
 
     def _apply_stale_policy(self) -> None:
         keep: deque[Group] = deque()
@@ -274,6 +286,7 @@ class RolloutStore:
             "rollout/leased": sum(len(h) for h in self.leases.values()),
             "rollout/actor_failures": c.actor_failures,
             "rollout/samples_released": c.extra["samples_released"],
+            "rollout/store_calls": c.extra["lease_calls"] + c.extra["push_calls"],
             "rollout/groups_skipped_bad_step": c.skipped_groups,
             "data/prompt_cursor": self.cursor,
             "data/rejected_long_prompts": self.dataset.rejected_long,
@@ -282,7 +295,7 @@ class RolloutStore:
         }
 
     # -- checkpointing --------------------------------------------------------
-    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "n", "batch_groups")
+    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "n", "batch_groups", "_changed")
 
     def state_dict(self) -> dict:
         """Everything needed to continue. Leased samples are saved as the store last saw
@@ -305,9 +318,16 @@ class RolloutStore:
 class RolloutStoreActor(RolloutStore):
     """Async Ray actor face of the store: methods run one at a time on its event loop."""
 
-    async def get_batch(self, poll_s: float = 0.005) -> list[Group]:
+    async def get_batch(self, recheck_s: float = 1.0) -> list[Group]:
+        # Re-examined only when a push or a control call changed something: polling would re-check
+        # every waiting group's staleness hundreds of times a second, on the learner's CPU share.
+        changed = self._changed_event()
         while (batch := self.try_get_batch()) is None:
-            await asyncio.sleep(poll_s)
+            changed.clear()
+            try:
+                await asyncio.wait_for(changed.wait(), recheck_s)
+            except asyncio.TimeoutError:
+                pass
         return batch
 
     async def lease_async(self, actor_id: str, max_items: int, engine_version: int) -> list[Sample]:
@@ -315,6 +335,20 @@ class RolloutStoreActor(RolloutStore):
 
     async def push_async(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
         self.push(actor_id, samples, early_stop)
+        self._changed_event().set()
 
     async def call(self, method: str, *args, **kwargs):
-        return getattr(self, method)(*args, **kwargs)
+        out = getattr(self, method)(*args, **kwargs)
+        self._changed_event().set()
+        return out
+
+    def pin_cpus(self, cores: tuple[int, ...]) -> None:
+        """Pin the store's process to `cores` (run.pin_cpus)."""
+        from async_april.cpu_pinning import pin_process
+
+        pin_process(cores)
+
+    def _changed_event(self) -> asyncio.Event:
+        if getattr(self, "_changed", None) is None:
+            self._changed = asyncio.Event()  # created on the actor's event loop
+        return self._changed

@@ -27,6 +27,7 @@ Run: `async-april train CONFIG [k=v ...]` or `python -m async_april.train CONFIG
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
 import time
@@ -35,7 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from async_april.config import Config, ConfigError, load_config, save_config
+from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
 from async_april.tracking import Tracker, progress, redact
+
+log = logging.getLogger(__name__)
 
 
 def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
@@ -86,9 +90,16 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg) if resume is not None else RunState(cfg)
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
-    pool = ActorPool(cfg, store, model_path, load_weights=push)
+    plan = plan_pinning(cfg)
+    pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
     hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
+    driver_cores = process_cores()
     try:
+        if plan is not None:
+            ray.get(store.pin_cpus.remote(plan.other_cores))
+            if hasattr(learner, "pin_cpus"):
+                learner.pin_cpus(plan.other_cores)
+            pin_process(plan.other_cores)
         pool.start(cfg.rollout.num_actors)
         if resume is not None:
             pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
@@ -130,6 +141,8 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
     finally:
         pool.stop()
         learner.shutdown()
+        if plan is not None and driver_cores:
+            pin_process(driver_cores)  # the caller's process gets its cores back
 
 
 class RunState:
@@ -216,6 +229,25 @@ def _step_perf(last: dict, now: dict, step_s: float) -> dict[str, float]:
         "rollout/inflight": now["rollout/inflight"],
         "rollout/reward_errors": now["rollout/reward_errors"],
     }
+
+
+def plan_pinning(cfg: Config) -> CpuPlan | None:
+    """run.pin_cpus on a single CPU machine: the core split, or None with a warning saying why not."""
+    if not cfg.run.pin_cpus:
+        return None
+    import ray
+
+    gpu = cfg.rollout.engine == "sglang" or cfg.learner.device == "cuda" or ray.cluster_resources().get("GPU", 0) > 0
+    multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
+    plan, why = cpu_plan(cfg.rollout.num_actors)
+    if gpu or multi_node:
+        why = "run.pin_cpus is for CPU runs on one machine; this run has GPUs or several Ray nodes"
+        plan = None
+    if plan is None:
+        log.warning("not pinning CPUs: %s", why)
+    else:
+        progress(f"pinned CPUs: engines on cores {list(plan.engine_cores)}, learner/store/driver on {list(plan.other_cores)}")
+    return plan
 
 
 def init_ray(cfg: Config) -> bool:

@@ -105,7 +105,22 @@ def steady_state_torch(cfg, seconds: float) -> float:
         ids = data.row(i).prompt_ids
         return GenerateRequest(f"ss/{i}/", ids, SamplingParams(r.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=i), prompt_len=len(ids))
 
-    return asyncio.run(_steady_state(engine, req, r.concurrency, seconds))
+    return on_engine_core(cfg, lambda: asyncio.run(_steady_state(engine, req, r.concurrency, seconds)))
+
+
+def on_engine_core(cfg, measure):
+    """Measure on the core a pinned run gives its engine (run.pin_cpus), so the ceiling and the runs match."""
+    from async_april.cpu_pinning import cpu_plan, pin_process, process_cores
+
+    plan, _ = cpu_plan(cfg.rollout.num_actors) if cfg.run.pin_cpus else (None, "")
+    if plan is None:
+        return measure()
+    before = process_cores()
+    pin_process((plan.engine_core(0),))
+    try:
+        return measure()
+    finally:
+        pin_process(before)
 
 
 def bench_simulated(steps: int, tmp: Path) -> list[dict]:
@@ -114,7 +129,7 @@ def bench_simulated(steps: int, tmp: Path) -> list[dict]:
     out = []
     for dist, (limit, scale) in SIM_WORKLOADS.items():
         over = ["rollout.engine=simulated", f"rollout.simulated_lengths={dist}", f"rollout.simulated_time_scale={scale}",
-                "rollout.batch_groups=32", "rollout.n_samples=8", "rollout.num_actors=2", "rollout.concurrency=128",
+                "rollout.batch_groups=32", "rollout.n_samples=8", "rollout.num_actors=2", "rollout.concurrency=128", "run.pin_cpus=false",
                 f"rollout.max_new_tokens={limit}", f"run.steps={steps}"]
         base = mode_config("sync", tmp, over)
         ceiling = steady_state_simulated(base, seconds=10.0)

@@ -77,6 +77,9 @@ class LearnerGroup:
     def version(self) -> int:
         return self._version
 
+    def pin_cpus(self, cores: tuple[int, ...]) -> None:
+        self._all("pin_cpus", cores)
+
     def train_step(self, batch: "TrainBatch") -> dict[str, float]:
         ref = ray.put(batch)
         try:

@@ -394,6 +394,12 @@ class LearnerWorker:
 
     # ----------------------------------------------------------------- misc
 
+    def pin_cpus(self, cores: tuple[int, ...]) -> None:
+        """Pin this rank's process to `cores` (run.pin_cpus)."""
+        from async_april.cpu_pinning import pin_process
+
+        pin_process(cores)
+
     def get_version(self) -> int:
         return self.version
 

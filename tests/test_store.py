@@ -170,3 +170,23 @@ def test_state_dict_round_trip_folds_leases_back():
     assert work[0].uid in fresh.partials
     got = fresh.lease("z", 100, 0)
     assert {s.uid for s in held} <= {s.uid for s in got}
+
+
+def test_batches_take_the_oldest_groups_first():
+    """A group that finished late (one long response) is trained before newer groups overtake it
+    past eta: batches take the oldest tokens first, completion order among equals."""
+    st = make_store(**{"async.max_staleness": 2, "rollout.over_provision": 3})
+    work = st.lease("a", 12, 0)  # groups 0..5, two samples each
+    by_group = {}
+    for s in work:
+        by_group.setdefault(s.prompt_index, []).append(s)
+    st.set_version(2)
+    # Groups 1, 2 and 4 complete first with tokens of version 2; group 0 last, its tokens of version 0.
+    for p, v in [(1, 2), (2, 2), (4, 2), (0, 0), (3, 1)]:
+        st.push("a", [finish(s, version=v) for s in by_group[p]])
+    first = st.try_get_batch()
+    assert [g.prompt_index for g in first] == [0, 3]  # oldest first: versions 0 and 1, not completion order
+    second = st.try_get_batch()
+    assert [g.prompt_index for g in second] == [1, 2]  # equals keep completion order
+    assert st.counters.requeued_groups == 0
+    st.check_accounting()

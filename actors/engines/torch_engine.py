@@ -39,6 +39,11 @@ import torch
 
 from actors.engine import EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket
 
+ADMIT_EVERY_STEPS = 4
+"""While rows are running, waiting requests wait at most this many decode steps to be prefilled."""
+ADMIT_BLOCK_DIVISOR = 8
+"""... or less, once max_running / ADMIT_BLOCK_DIVISOR of them can be admitted in one prefill."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -198,6 +203,7 @@ class TorchEngine:
         self._cache = None
         self._mask: torch.Tensor | None = None
         self._paused = False
+        self._steps_since_admit = 0
         last = time.perf_counter()
         with torch.inference_mode():
             while not self._stop:
@@ -298,6 +304,17 @@ class TorchEngine:
         self._cache, self._mask = cache, mask
 
     def _admit(self) -> None:
+        if not self._waiting:
+            return
+        self._steps_since_admit += 1
+        free = self.max_running - len(self._running)
+        # A prefill costs a whole forward pass and a cache merge however few rows it carries, so
+        # while the batch is busy new rows are taken in blocks: every ADMIT_EVERY_STEPS decode
+        # steps, or at once when a block of free slots and waiting rows is ready.
+        block = max(1, self.max_running // ADMIT_BLOCK_DIVISOR)
+        if self._running and self._steps_since_admit < ADMIT_EVERY_STEPS and min(free, len(self._waiting)) < block:
+            return
+        self._steps_since_admit = 0
         held = sum(r.length for r in self._running)
         batch: list[_Row] = []
         while self._waiting and len(self._running) + len(batch) < self.max_running:
