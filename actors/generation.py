@@ -29,7 +29,9 @@ from async_april.trajectory import Sample
 POLL_S = 0.02
 """How often an idle actor asks the store for work again (admission may reopen)."""
 LEASE_BLOCK_DIVISOR = 8
-"""A busy actor leases once concurrency / LEASE_BLOCK_DIVISOR slots are free."""
+"""A busy actor leases (and pushes) once concurrency / LEASE_BLOCK_DIVISOR slots are free..."""
+FLUSH_S = 0.05
+"""... and otherwise pushes at most this long after its previous push."""
 
 
 def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True) -> int:
@@ -64,6 +66,7 @@ class GenerationActor:
         """Samples returned by the engine, not yet pushed: (sample, aborted by an early stop)."""
         self.weight_load_s = 0.0
         self.lease_block = max(1, cfg.rollout.concurrency // LEASE_BLOCK_DIVISOR)
+        self._last_flush = 0.0
 
     async def start(self) -> int:
         await self.engine.start()
@@ -81,11 +84,14 @@ class GenerationActor:
         while not self.stopping:
             await self.open.wait()
             self._reap()
-            await self._flush()  # the store hears of completions before it hands out more work
             free = self.cfg.rollout.concurrency - len(self.inflight)
-            # Lease a block of slots at a time, not one per finished request: every lease is a store
-            # call on the learner's CPU share, and engines admit new requests in blocks anyway.
-            if free >= self.lease_block or (free > 0 and not self.inflight):
+            # Lease and push a block of slots at a time, not one per finished request: every store
+            # call costs CPU on the learner's share, and engines admit new requests in blocks anyway.
+            # A finished sample waits at most FLUSH_S, and never once the actor runs dry.
+            lease_now = free >= self.lease_block or (free > 0 and not self.inflight)
+            if lease_now or time.perf_counter() - self._last_flush >= FLUSH_S:
+                await self._flush()  # the store hears of completions before it hands out more work
+            if lease_now:
                 for s in await self.store.lease_async.remote(self.actor_id, free, self.engine.version):
                     self.inflight[s.uid] = asyncio.create_task(self._generate(s))
             if self.inflight:
@@ -149,8 +155,9 @@ class GenerationActor:
             raise failed
 
     async def _flush(self) -> None:
-        """Push finished and aborted samples in one call per kind: one RPC per loop turn, not per
+        """Push finished and aborted samples in one call per kind: one RPC per block, not per
         sample (an interrupt returns every in-flight request at once)."""
+        self._last_flush = time.perf_counter()
         out, self.outbox = self.outbox, []
         for early in (False, True):
             batch = [s for s, e in out if e is early]

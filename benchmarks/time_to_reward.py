@@ -8,6 +8,7 @@ ratio of each median to sync's. A PNG plots reward against wall time.
 
     python benchmarks/time_to_reward.py                         # 3 modes x 2 seeds
     python benchmarks/time_to_reward.py --seeds 1234 7 --steps 200 --target 0.55
+    python benchmarks/time_to_reward.py --modes sync async --seeds 1234 7 42
     python benchmarks/time_to_reward.py --ablation              # async eta 4 / 8, correction on vs off
 
 Writes benchmarks/results/time_to_reward.json (or correction_ablation.json) and a PNG beside it.
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 7])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--target", type=float, default=0.55)
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (sync is the baseline)")
     ap.add_argument("--ablation", action="store_true", help="async at eta 4 and 8, correction direct vs none")
     a = ap.parse_args(argv)
     if a.ablation:
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                  for eta in (4, 8) for corr in ("direct", "none")]
         baseline, name = "async eta4 direct", "correction_ablation"
     else:
-        plans = [(mode, mode, []) for mode in MODES]
+        plans = [(mode, mode, []) for mode in MODES if mode in a.modes]
         baseline, name = "sync", "time_to_reward"
     runs = []
     with tempfile.TemporaryDirectory(prefix="aa-ttr-") as tmp:
