@@ -28,6 +28,12 @@ WeightBucket = dict[str, "torch.Tensor"]
 """A bounded group of named full (unsharded) tensors, all of one dtype."""
 
 
+ADMISSION_BLOCK_DIVISOR = 8
+"""Work joins a busy engine in blocks of max_running / ADMISSION_BLOCK_DIVISOR requests: the torch
+engine prefills that many together and the generation actor leases that many at once, because a
+prefill (a forward pass) and a store call cost about as much for one request as for a block."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int

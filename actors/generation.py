@@ -22,16 +22,15 @@ import hashlib
 import time
 
 
-from actors.engine import GenerateRequest, SamplingParams
+from actors.engine import ADMISSION_BLOCK_DIVISOR, GenerateRequest, SamplingParams
 from async_april.config import Config
 from async_april.trajectory import Sample
 
 POLL_S = 0.02
 """How often an idle actor asks the store for work again (admission may reopen)."""
-LEASE_BLOCK_DIVISOR = 8
-"""A busy actor leases (and pushes) once concurrency / LEASE_BLOCK_DIVISOR slots are free..."""
 FLUSH_S = 0.05
-"""... and otherwise pushes at most this long after its previous push."""
+"""A busy actor leases and pushes once a block of slots is free (ADMISSION_BLOCK_DIVISOR), and
+otherwise pushes at most this long after its previous push."""
 
 
 def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True) -> int:
@@ -65,7 +64,7 @@ class GenerationActor:
         self.outbox: list[tuple[Sample, bool]] = []
         """Samples returned by the engine, not yet pushed: (sample, aborted by an early stop)."""
         self.weight_load_s = 0.0
-        self.lease_block = max(1, cfg.rollout.concurrency // LEASE_BLOCK_DIVISOR)
+        self.lease_block = max(1, cfg.rollout.concurrency // ADMISSION_BLOCK_DIVISOR)
         self._last_flush = 0.0
 
     async def start(self) -> int:

@@ -80,7 +80,7 @@ class RolloutStore:
     def lease(self, actor_id: str, max_items: int, engine_version: int) -> list[Sample]:
         """Up to `max_items` samples for `actor_id`, partials first, then fresh, then new groups."""
         out: list[Sample] = []
-        self.counters.extra["lease_calls"] += 1
+        self.counters.extra["store_calls"] += 1
         for uid in sorted(self.partials, key=self._partial_order):
             if len(out) == max_items:
                 break
@@ -126,7 +126,7 @@ class RolloutStore:
     def push(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
         """Finished samples (scored) or aborted partials from `actor_id`."""
         held = self.leases.setdefault(actor_id, {})
-        self.counters.extra["push_calls"] += 1
+        self.counters.extra["store_calls"] += 1
         for s in samples:
             if held.pop(s.uid, None) is None:
                 # A lease already returned to the pool (its actor was declared dead) or
@@ -184,10 +184,9 @@ class RolloutStore:
         # Oldest tokens first (completion order among equals): a group that finished late
         # because one of its responses was long is trained before it crosses eta, instead
         # of being overtaken by newer short groups and regenerated.
-        by_age = sorted(range(len(self.completed)), key=lambda i: self._group_age_key(self.completed[i]))
-        chosen = set(by_age[: self.batch_groups])
-        batch = [g for i, g in enumerate(self.completed) if i in chosen]
-        self.completed = deque(g for i, g in enumerate(self.completed) if i not in chosen)
+        chosen = {id(g) for g in sorted(self.completed, key=self._group_age_key)[: self.batch_groups]}  # stable sort
+        batch = [g for g in self.completed if id(g) in chosen]
+        self.completed = deque(g for g in self.completed if id(g) not in chosen)
         for g in batch:
             self.trained.append(g.prompt_index)
             self.counters.aborted_tokens_reused += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
@@ -286,7 +285,7 @@ class RolloutStore:
             "rollout/leased": sum(len(h) for h in self.leases.values()),
             "rollout/actor_failures": c.actor_failures,
             "rollout/samples_released": c.extra["samples_released"],
-            "rollout/store_calls": c.extra["lease_calls"] + c.extra["push_calls"],
+            "rollout/store_calls": c.extra["store_calls"],
             "rollout/groups_skipped_bad_step": c.skipped_groups,
             "data/prompt_cursor": self.cursor,
             "data/rejected_long_prompts": self.dataset.rejected_long,
@@ -318,14 +317,18 @@ class RolloutStore:
 class RolloutStoreActor(RolloutStore):
     """Async Ray actor face of the store: methods run one at a time on its event loop."""
 
+    def __init__(self, cfg: Config, dataset: PromptDataset):
+        super().__init__(cfg, dataset)
+        self._changed = asyncio.Event()
+        """Set by every push and control call: `get_batch` looks again only then."""
+
     async def get_batch(self, recheck_s: float = 1.0) -> list[Group]:
         # Re-examined only when a push or a control call changed something: polling would re-check
         # every waiting group's staleness hundreds of times a second, on the learner's CPU share.
-        changed = self._changed_event()
         while (batch := self.try_get_batch()) is None:
-            changed.clear()
+            self._changed.clear()
             try:
-                await asyncio.wait_for(changed.wait(), recheck_s)
+                await asyncio.wait_for(self._changed.wait(), recheck_s)
             except asyncio.TimeoutError:
                 pass
         return batch
@@ -335,11 +338,11 @@ class RolloutStoreActor(RolloutStore):
 
     async def push_async(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
         self.push(actor_id, samples, early_stop)
-        self._changed_event().set()
+        self._changed.set()
 
     async def call(self, method: str, *args, **kwargs):
         out = getattr(self, method)(*args, **kwargs)
-        self._changed_event().set()
+        self._changed.set()
         return out
 
     def pin_cpus(self, cores: tuple[int, ...]) -> None:
@@ -347,8 +350,3 @@ class RolloutStoreActor(RolloutStore):
         from async_april.cpu_pinning import pin_process
 
         pin_process(cores)
-
-    def _changed_event(self) -> asyncio.Event:
-        if getattr(self, "_changed", None) is None:
-            self._changed = asyncio.Event()  # created on the actor's event loop
-        return self._changed

@@ -238,11 +238,11 @@ def plan_pinning(cfg: Config) -> CpuPlan | None:
     import ray
 
     gpu = cfg.rollout.engine == "sglang" or cfg.learner.device == "cuda" or ray.cluster_resources().get("GPU", 0) > 0
-    multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
-    plan, why = cpu_plan(cfg.rollout.num_actors)
+    multi_node = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
     if gpu or multi_node:
-        why = "run.pin_cpus is for CPU runs on one machine; this run has GPUs or several Ray nodes"
-        plan = None
+        plan, why = None, "run.pin_cpus is for CPU runs on one machine; this run has GPUs or several Ray nodes"
+    else:
+        plan, why = cpu_plan(cfg.rollout.num_actors)
     if plan is None:
         log.warning("not pinning CPUs: %s", why)
     else:

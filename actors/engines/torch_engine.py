@@ -37,12 +37,11 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from actors.engine import EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket
+from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket
 
 ADMIT_EVERY_STEPS = 4
-"""While rows are running, waiting requests wait at most this many decode steps to be prefilled."""
-ADMIT_BLOCK_DIVISOR = 8
-"""... or less, once max_running / ADMIT_BLOCK_DIVISOR of them can be admitted in one prefill."""
+"""While rows are running, waiting requests wait at most this many decode steps to be prefilled,
+or less once a block of them (ADMISSION_BLOCK_DIVISOR) fits."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -311,7 +310,7 @@ class TorchEngine:
         # A prefill costs a whole forward pass and a cache merge however few rows it carries, so
         # while the batch is busy new rows are taken in blocks: every ADMIT_EVERY_STEPS decode
         # steps, or at once when a block of free slots and waiting rows is ready.
-        block = max(1, self.max_running // ADMIT_BLOCK_DIVISOR)
+        block = max(1, self.max_running // ADMISSION_BLOCK_DIVISOR)
         if self._running and self._steps_since_admit < ADMIT_EVERY_STEPS and min(free, len(self._waiting)) < block:
             return
         self._steps_since_admit = 0
