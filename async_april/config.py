@@ -19,8 +19,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from async_april.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
 
 
@@ -42,7 +44,9 @@ class RunConfig(Section):
     ray_address: str | None = None
     """Ray cluster address. None: join the cluster when run under `ray job submit`, else start an embedded one."""
     resume: str | None = None
-    """Checkpoint to resume from: a path, `auto` (latest in the run directory) or None."""
+    """Checkpoint to resume from: a path, `auto` (latest in the run directory) or None. A run directory that already holds a run is only reused with this or `overwrite`."""
+    overwrite: bool = False
+    """Start from scratch in a run directory that already holds a run: its contents are first moved to `<run.dir>.old-<UTC time>` next to it (delete that yourself). Cannot be combined with `resume`."""
     pin_cpus: bool = False
     """CPU runs on one machine: pin each generation actor to a core of its own and the learner, store and driver to the other cores, as a cluster dedicates GPUs (async_april/cpu_pinning.py). Needs Linux and rollout.num_actors + 1 cores; otherwise a warning and no pinning."""
 
@@ -92,11 +96,16 @@ class RewardConfig(Section):
     """A reward that raises or returns NaN: score it 0 (counted, first traceback logged) or stop the run."""
     num_workers: int = Field(0, ge=0, le=256)
     """Processes that score rewards off the generation loop; 0 scores in the actor (fine for cheap rewards)."""
+    timeout_s: float | None = Field(None, gt=0.0, le=86400.0)
+    """Longest one reward function may take on one response; past it the response is scored per `on_error` and its worker process is stopped. Needs `num_workers` >= 1 (a call in the actor's own thread cannot be stopped). None: no limit."""
 
     @model_validator(mode="after")
     def _check_functions(self) -> "RewardConfig":
         if not self.functions:
             raise ValueError("reward.functions is empty; name at least one reward, e.g. {reverse_match: 1.0}")
+        if self.timeout_s is not None and self.num_workers == 0:
+            raise ValueError("reward.timeout_s needs reward.num_workers >= 1: a reward running in the generation "
+                             "actor's own thread cannot be stopped; set reward.num_workers=1 (or more)")
         return self
 
 
@@ -293,6 +302,8 @@ class Config(Section):
                 "from the sampled distribution, which biases importance correction; set top_p=1 and "
                 "top_k=-1, or set algorithm.weight_bound=none to accept the bias"
             )
+        if self.run.overwrite and self.run.resume is not None:
+            raise ValueError("run.overwrite=true starts from scratch and run.resume continues a run; set only one of them")
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
         return self
@@ -307,15 +318,16 @@ class Config(Section):
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
+    """One line: `invalid config (SOURCE): key: problem (got VALUE); key: ...`."""
+    parts = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         key = key.replace("async_", "async")
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key (value {e['input']!r}); check the spelling against docs/configuration.md")
+            parts.append(f"{key}: unknown key (value {e['input']!r}); check the spelling against docs/configuration.md")
         else:
-            lines.append(f"  {key}: {e['msg']} (got {e['input']!r})")
-    return "\n".join(lines)
+            parts.append(f"{key}: {e['msg']} (got {e['input']!r})")
+    return f"invalid config ({source}): " + "; ".join(parts)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -326,7 +338,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     path = [p for p in key.strip().split(".") if p]
     if not path:
         raise ConfigError(f"override {item!r} has an empty key")
-    return path, yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                          "write a string value in YAML quotes") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -355,12 +371,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     source = "defaults"
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(loaded).__name__}")
-        data = _resolve_presets(loaded or {}, p.parent)
+        data = _resolve_presets(read_yaml(p, "config file"), p.parent)
         source = str(p)
     if overrides:
         data = apply_overrides(data, overrides)
@@ -374,13 +385,37 @@ def _resolve_presets(data: dict[str, Any], base: Path) -> dict[str, Any]:
     if isinstance(includes, str):
         includes = [includes]
     merged: dict[str, Any] = {}
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"`defaults` must be a list of YAML file paths, e.g. [presets/async.yaml], got {includes!r}")
     for inc in includes:
         inc_path = (base / inc).resolve()
         if not inc_path.is_file():
             raise ConfigError(f"defaults entry {inc!r} not found at {str(inc_path)!r}")
-        _deep_merge(merged, _resolve_presets(yaml.safe_load(inc_path.read_text()) or {}, inc_path.parent))
+        _deep_merge(merged, _resolve_presets(read_yaml(inc_path, f"defaults entry {inc!r}"), inc_path.parent))
     _deep_merge(merged, data)
     return merged
+
+
+def read_yaml(p: Path, what: str) -> dict[str, Any]:
+    """The mapping in YAML file `p`, or a ConfigError naming the file, the line and the problem."""
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist" + (" (it is a directory)" if p.is_dir() else ""))
+    try:
+        text = p.read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{what} {str(p)!r}:{where}: YAML syntax error: {problem}; fix the file") from None
+    if loaded is None:
+        raise ConfigError(f"{what} {str(p)!r} is empty; give at least one section (write `{{}}` for all defaults)")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {str(p)!r} must hold a mapping of sections (run:, model:, ...), "
+                          f"got a {type(loaded).__name__}")
+    return loaded
 
 
 def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> None:

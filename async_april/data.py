@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from async_april.config import Config, ConfigError
+from async_april.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ RESERVED_EXTRA = ("prompt", "response", "answer")
 """Reward-function argument names; extra columns with these names are renamed `raw_<name>`."""
 
 
-class DataError(ValueError):
-    """A malformed dataset row with `data.on_bad_row: error`; names the file, line and problem."""
+class DataError(UserError, ValueError):
+    """Unusable data: a malformed row (with `data.on_bad_row: error`), an unreadable file, or no usable
+    prompt at all; names the file, line or row, and the setting or fix."""
 
 
 @dataclass
@@ -90,37 +92,71 @@ class BadRow(Exception):
 
 
 def iter_raw_rows(cfg: Config) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
-    """(1-based line or row number, row dict or the BadRow describing why it is unusable)."""
+    """(1-based line or row number, row dict or the BadRow describing why it is unusable).
+    A missing file or an unknown kind of source raises here, before the first row is asked for."""
     src = cfg.data.source
     if src == "builtin:reverse":
         from async_april.tasks.reverse import make_reverse_rows
 
-        yield from enumerate(make_reverse_rows(cfg.data.num_prompts, cfg.run.seed), 1)
-        return
+        return enumerate(make_reverse_rows(cfg.data.num_prompts, cfg.run.seed), 1)
     if src.startswith("hf:"):
-        yield from enumerate(_read_hf(cfg), 1)
-        return
+        return enumerate(_read_hf(cfg), 1)
     path = Path(src).expanduser()
     if not path.is_file():
         raise ConfigError(f"data.source {src!r} does not exist; give a .jsonl or .parquet file, hf:NAME or builtin:reverse")
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield lineno, BadRow(f"malformed JSON ({e.msg} at column {e.colno})")
-                    continue
-                yield lineno, row if isinstance(row, dict) else BadRow(f"a row must be a JSON object, got {type(row).__name__}")
-        return
+        return _read_jsonl(path)
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from enumerate(pq.read_table(path).to_pylist(), 1)
-        return
+        return enumerate(_read_parquet(path, src), 1)
     raise ConfigError(f"data.source {src!r}: unsupported file type {path.suffix!r}; use .jsonl, .parquet or hf:NAME")
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, BadRow(f"not UTF-8 text ({e.reason} at byte {e.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, BadRow(f"malformed JSON ({e.msg} at column {e.colno})")
+                continue
+            yield lineno, row if isinstance(row, dict) else BadRow(f"a row must be a JSON object, got {type(row).__name__}")
+
+
+def _read_parquet(path: Path, src: str) -> list[dict[str, Any]]:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DataError(f"data.source {src!r} is not a readable parquet file ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); check or re-export the file") from None
+
+
+def count_rows(cfg: Config) -> int | None:
+    """Rows the source will yield, when that is cheap to know (for the progress bar's ETA)."""
+    src = cfg.data.source
+    if src == "builtin:reverse":
+        return cfg.data.num_prompts
+    path = Path(src).expanduser()
+    try:
+        if path.suffix == ".jsonl" and path.is_file():
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if path.suffix == ".parquet" and path.is_file():
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 - only a progress estimate; reading reports the real problem
+        return None
+    return None
 
 
 def _read_hf(cfg: Config):
@@ -224,39 +260,56 @@ def _data_error(cfg: Config, lineno: int, what: str) -> DataError:
 # ------------------------------------------------------------------------------------ loading
 
 
-def load_prompts(cfg: Config, tokenizer) -> PromptDataset:
-    """Read, validate, template and tokenize every prompt row."""
+def load_prompts(cfg: Config, tokenizer, limit: int | None = None) -> PromptDataset:
+    """Read, validate, template and tokenize every prompt row (only the first `limit` rows if given:
+    `async-april check`)."""
+    from async_april.console import stage
+
     d = cfg.data
     ds = PromptDataset(rows=[], seed=cfg.run.seed, shuffle=d.shuffle)
     use_template = d.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
-    for lineno, raw in iter_raw_rows(cfg):
-        try:
-            if isinstance(raw, BadRow):
-                raise raw
-            prompt, answer, extra = map_row(raw, d.prompt_key, d.answer_key)
-        except BadRow as e:
-            if d.on_bad_row == "error":
-                raise _data_error(cfg, lineno, str(e)) from None
-            ds.bad_rows += 1
-            continue
-        ids = np.asarray(encode_prompt(tokenizer, prompt, d.system_prompt, use_template), np.int64)
-        if len(ids) > d.max_prompt_len:
-            if d.on_long_prompt == "reject":
-                ds.rejected_long += 1
-                continue
-            ids = ids[-d.max_prompt_len :]
-            ds.truncated_long += 1
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        ds.rows.append(PromptRow(prompt=text, answer=answer, prompt_ids=ids, extra=extra))
+    total = count_rows(cfg)
+    total = min(total, limit) if total is not None and limit is not None else (total or limit)
+    rows = iter_raw_rows(cfg)
+    with stage(f"tokenising {d.source}", total=total, unit="row") as bar:
+        for lineno, raw in rows:
+            if limit is not None and lineno > limit:
+                break
+            bar.update(1)
+            _add_row(ds, cfg, tokenizer, use_template, lineno, raw)
     if ds.bad_rows or ds.rejected_long or ds.truncated_long:
         log.warning("%s: %d prompts; skipped %d malformed rows, rejected %d and truncated %d over data.max_prompt_len=%d",
                     d.source, len(ds.rows), ds.bad_rows, ds.rejected_long, ds.truncated_long, d.max_prompt_len)
     if not ds.rows:
-        raise ValueError(
-            f"{d.source}: no usable prompts ({ds.rejected_long} over data.max_prompt_len={d.max_prompt_len}, "
-            f"{ds.bad_rows} malformed)"
+        where = f"in its first {limit} rows" if limit is not None else "at all"
+        raise DataError(
+            f"{d.source}: no usable prompt {where} ({ds.rejected_long} over data.max_prompt_len={d.max_prompt_len}, "
+            f"{ds.bad_rows} malformed); raise data.max_prompt_len, set data.on_long_prompt=truncate, or fix the rows"
         )
     return ds
+
+
+def _add_row(ds: PromptDataset, cfg: Config, tokenizer, use_template: bool, lineno: int, raw) -> None:
+    """Map, template and tokenize one raw row into `ds` (or count it as bad / too long)."""
+    d = cfg.data
+    try:
+        if isinstance(raw, BadRow):
+            raise raw
+        prompt, answer, extra = map_row(raw, d.prompt_key, d.answer_key)
+    except BadRow as e:
+        if d.on_bad_row == "error":
+            raise _data_error(cfg, lineno, str(e)) from None
+        ds.bad_rows += 1
+        return
+    ids = np.asarray(encode_prompt(tokenizer, prompt, d.system_prompt, use_template), np.int64)
+    if len(ids) > d.max_prompt_len:
+        if d.on_long_prompt == "reject":
+            ds.rejected_long += 1
+            return
+        ids = ids[-d.max_prompt_len :]
+        ds.truncated_long += 1
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    ds.rows.append(PromptRow(prompt=text, answer=answer, prompt_ids=ids, extra=extra))
 
 
 def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:

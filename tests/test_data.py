@@ -153,7 +153,7 @@ def test_long_prompts_rejected_or_truncated_and_counted(tmp_path, tok):
     assert len(ds) == 1 and ds.rejected_long == 1 and ds.truncated_long == 0
     ds = load_prompts(cfg_for(path, max_prompt_len=5, on_long_prompt="truncate"), tok)
     assert ds.truncated_long == 1 and ds.rows[1].prompt_ids.tolist() == ids_of(tok, "4567=")  # keeps the last tokens
-    with pytest.raises(ValueError, match="no usable prompts .1 over data.max_prompt_len=3"):
+    with pytest.raises(DataError, match="no usable prompt at all .1 over data.max_prompt_len=3.*raise data.max_prompt_len"):
         load_prompts(cfg_for(write_jsonl(tmp_path / "e.jsonl", [{"prompt": "1234="}]), max_prompt_len=3), tok)
 
 

@@ -9,9 +9,16 @@ other dataset columns; rewards must ignore keys they do not know.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import inspect
+from typing import Any, Callable
+
+from async_april.errors import UserError
 
 RewardFn = Callable[..., float]
+
+
+class RewardSpecError(UserError, ValueError):
+    """A name in `reward.functions` that does not lead to a usable function."""
 
 REGISTRY: dict[str, str] = {
     "reverse_match": "async_april.rewards.reverse:reverse_match",
@@ -27,19 +34,38 @@ REGISTRY: dict[str, str] = {
 def _import_reward(spec: str, path: str) -> RewardFn:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr or ":" in attr:
-        raise ValueError(f"reward {spec!r}: an import path must look like 'module:function'")
+        raise RewardSpecError(f"reward {spec!r}: an import path must look like 'module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name}: {exc}") from exc
+        raise RewardSpecError(f"reward {spec!r}: cannot import module {module_name} ({exc}); check the name "
+                              "and that the module is on PYTHONPATH (the job's working_dir on a cluster)") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing; say where
+        raise RewardSpecError(f"reward {spec!r}: importing module {module_name} raised {type(exc).__name__}: {exc}; "
+                              "fix that module") from None
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise ValueError(f"reward {spec!r}: module {module_name} has no attribute {attr}")
+            raise RewardSpecError(f"reward {spec!r}: module {module_name} has no attribute {attr}; "
+                                  "check the function name after the ':'")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {module_name}:{attr} is a {type(fn).__name__}, not a function")
+        raise RewardSpecError(f"reward {spec!r}: {module_name}:{attr} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def check_reward_signature(name: str, fn: RewardFn, extra: dict[str, Any]) -> None:
+    """RewardSpecError unless `fn(prompt=, response=, answer=, **extra)` binds for this dataset's extra columns."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        sig.bind(prompt="", response="", answer="", **extra)
+    except TypeError as e:
+        cols = f"; this dataset's other columns: {sorted(extra)}" if extra else ""
+        raise RewardSpecError(f"reward {name!r} cannot be called as fn(prompt=..., response=..., answer=..., **extra) "
+                              f"({e}){cols}; give it those parameters and **extra") from None
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -49,10 +75,10 @@ def get_reward_fn(name: str) -> RewardFn:
     if ":" in name:
         return _import_reward(name, name)
     known = ", ".join(sorted(REGISTRY))
-    raise ValueError(
+    raise RewardSpecError(
         f"reward {name!r} is not a registered name ({known}) nor an import path 'module:function'; "
         "list one of those in reward.functions"
     )
 
 
-__all__ = ["REGISTRY", "RewardFn", "get_reward_fn"]
+__all__ = ["REGISTRY", "RewardFn", "RewardSpecError", "check_reward_signature", "get_reward_fn"]
