@@ -1,21 +1,25 @@
-"""Run-level checkpoints: learner + rollout store + controller state, atomic, verified, rotated.
+"""Run-level checkpoints: learner + rollout store + controller state, atomic, verified, rotated, pickle-free.
 
 Layout (one directory per checkpoint, under `run.dir/checkpoints/`):
 
     step_00000012/
-      learner/          learners/checkpoint.py (DCP shards, per-rank scheduler/RNG, learner.json)
-      store.pkl         pickle of RolloutStore.state_dict(): prompt cursor, open groups, partial
-                        buffer (tokens, logprobs, versions), completed groups, trained/filtered lists
-      controller.json   step, policy version, cumulative controller counters
-      manifest.json     written LAST: step, version, W&B run id, config hash, and every other
-                        file with its size and sha256
+      learner/          learners/checkpoint.py: per-rank safetensors shards + JSON index
+      store.json        RolloutStore.state_dict() as plain data (async_april/state_codec.py):
+      store.safetensors prompt cursor, open groups, partial buffer (tokens, logprobs, versions
+                        as arrays), completed groups, trained/filtered lists, counters
+      controller.json   step, policy version, elapsed time, cumulative controller counters
+      manifest.json     written LAST: schema FORMAT, step, version, W&B run id, config hash,
+                        the model's shape, and every other file with its size and sha256
 
-A checkpoint is written under `.tmp-step_XXXXXXXX` and renamed into place only
-once complete, so a crash never leaves a half checkpoint under a final name.
-Loading verifies the manifest (sizes, and sha256 unless `checkpoint.verify:
-size`); a checkpoint that fails is skipped with a warning naming it and the
-one used instead. Older checkpoints beyond `checkpoint.keep` are deleted after
-each successful save (never the one just written).
+Nothing in a checkpoint is a pickle: loading one runs no code. A checkpoint is
+written under `.tmp-step_XXXXXXXX`, every file and directory in it is fsynced,
+and only then is it renamed into place (and the parent directory fsynced), so a
+crash or power loss never leaves a half checkpoint under a final name. Loading
+validates the manifest against its schema (`Manifest`) and the files against it
+(sizes, and sha256 unless `checkpoint.verify: size`); a checkpoint that fails is
+skipped with a warning naming it and the one used instead. Older checkpoints
+beyond `checkpoint.keep` are deleted after each successful save (never the one
+just written).
 """
 
 from __future__ import annotations
@@ -23,59 +27,95 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import pickle
+import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_april.config import Config
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from async_april import state_codec
+from async_april.config import Config, ConfigError
+from async_april.errors import UserError, one_line
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
-FORMAT = 1
+FORMAT = 2
+"""Manifest format. 1 held a pickled store (`store.pkl`) and is no longer loaded."""
+REQUIRED_FILES = ("store.json", "store.safetensors", "controller.json", "learner/learner.json")
+CONTROLLER_KEYS = ("step", "policy_version", "train/bad_steps", "rollout/actor_restarts", "time/elapsed_s")
+MODEL_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+"""config.json entries that decide whether a checkpoint's tensors fit a model."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or for another model."""
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    bytes: int = Field(ge=0)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    """What `manifest.json` must hold; anything else makes the checkpoint invalid."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: int
+    step: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+    wandb_run_id: str | None
+    config_hash: str
+    model_shape: dict[str, Any]
+    created_unix: float | int
+    files: dict[str, FileEntry] = Field(min_length=1)
 
 
 @dataclass
 class Checkpoint:
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
     def step(self) -> int:
-        return int(self.manifest["step"])
+        return self.manifest.step
 
     @property
     def version(self) -> int:
-        return int(self.manifest["policy_version"])
+        return self.manifest.policy_version
 
     @property
     def learner_dir(self) -> Path:
         return self.path / "learner"
 
     def store_state(self) -> dict:
-        with open(self.path / "store.pkl", "rb") as f:
-            return pickle.load(f)
+        return state_codec.load(self.path, "store")
 
     def controller_state(self) -> dict[str, Any]:
         return json.loads((self.path / "controller.json").read_text())
 
 
 def config_hash(cfg: Config) -> str:
-    """Hash of the settings that shape training; run.steps/resume/dir/name may change across a resume."""
+    """Hash of the settings that shape training; run.* bookkeeping and logging may change across a resume."""
     data = cfg.to_yaml_dict()
-    for key in ("steps", "resume", "dir", "name", "ray_address"):
+    for key in ("steps", "resume", "dir", "name", "ray_address", "overwrite"):
         data["run"].pop(key, None)
     data.pop("logging", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_shape(model_dir: str | Path) -> dict[str, Any]:
+    """The entries of `model_dir/config.json` that decide whether saved tensors fit (MODEL_SHAPE_KEYS)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg  # multimodal wrappers
+    return {k: cfg.get(k) for k in MODEL_SHAPE_KEYS}
 
 
 def _sha256(path: Path) -> str:
@@ -88,6 +128,16 @@ def _sha256(path: Path) -> str:
 
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (and `root`): their data and names are on disk."""
+    for p in sorted(root.rglob("*"), key=lambda p: -len(p.parts)) + [root]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class CheckpointManager:
@@ -103,7 +153,7 @@ class CheckpointManager:
 
     # -- write ------------------------------------------------------------------
     def save(self, step: int, version: int, learner, store_state: dict, controller: dict[str, Any],
-             wandb_run_id: str | None, cfg_hash: str) -> Path:
+             wandb_run_id: str | None, cfg_hash: str, shape: dict[str, Any]) -> Path:
         """Write checkpoint `step` atomically, then rotate. `learner` has `save_checkpoint(path)`."""
         t0 = time.perf_counter()
         final = self.path_for(step)
@@ -112,8 +162,7 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         learner.save_checkpoint(str(tmp / "learner"))
-        with open(tmp / "store.pkl", "wb") as f:
-            pickle.dump(store_state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        state_codec.save(store_state, tmp, "store")
         (tmp / "controller.json").write_text(json.dumps(controller, indent=1, sort_keys=True))
         files = {}
         for p in _files(tmp):
@@ -121,12 +170,14 @@ class CheckpointManager:
             if self.verify_mode == "sha256":
                 entry["sha256"] = _sha256(p)
             files[str(p.relative_to(tmp))] = entry
-        manifest = {"format": FORMAT, "step": step, "policy_version": version, "wandb_run_id": wandb_run_id,
-                    "config_hash": cfg_hash, "created_unix": time.time(), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        manifest = Manifest(format=FORMAT, step=step, policy_version=version, wandb_run_id=wandb_run_id,
+                            config_hash=cfg_hash, model_shape=shape, created_unix=time.time(), files=files)
+        (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=1))
+        fsync_tree(tmp)
         if final.exists():  # a resumed run re-reaching a step it had saved before the crash
             shutil.rmtree(final)
         tmp.rename(final)
+        _fsync_dir(self.root)  # the rename itself is durable
         self.rotate(keep_path=final)
         log.info("checkpoint %s written in %.2fs", final, time.perf_counter() - t0)
         return final
@@ -150,21 +201,15 @@ class CheckpointManager:
     def verify(self, path: Path) -> Checkpoint:
         """The checkpoint at `path`, or CheckpointError saying what is wrong with it."""
         path = Path(path)
-        mf = path / MANIFEST
-        if not mf.is_file():
-            raise CheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
-        try:
-            manifest = json.loads(mf.read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({e})") from None
-        for rel, want in manifest.get("files", {}).items():
+        manifest = read_manifest(path)
+        for rel, want in manifest.files.items():
             p = path / rel
             if not p.is_file():
                 raise CheckpointError(f"{path}: {rel} is missing")
             size = p.stat().st_size
-            if size != want["bytes"]:
-                raise CheckpointError(f"{path}: {rel} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
-            if self.verify_mode == "sha256" and "sha256" in want and _sha256(p) != want["sha256"]:
+            if size != want.bytes:
+                raise CheckpointError(f"{path}: {rel} has {size} bytes, the manifest says {want.bytes} (truncated?)")
+            if self.verify_mode == "sha256" and want.sha256 and _sha256(p) != want.sha256:
                 raise CheckpointError(f"{path}: {rel} does not match its sha256 in the manifest (corrupt)")
         return Checkpoint(path, manifest)
 
@@ -187,7 +232,38 @@ class CheckpointManager:
         return None
 
 
-def resolve_resume(cfg: Config) -> Checkpoint | None:
+def read_manifest(path: Path) -> Manifest:
+    """The schema-checked manifest of the checkpoint at `path`, or CheckpointError naming what is wrong."""
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
+    try:
+        data = json.loads(mf.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({e})") from None
+    if isinstance(data, dict) and data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: {MANIFEST} has format {data.get('format')!r}, this code reads format {FORMAT}"
+                              + (" (format 1 held a pickle and is no longer loaded)" if data.get("format") == 1 else ""))
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as e:
+        what = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()[:5])
+        raise CheckpointError(f"{path}: {MANIFEST} does not match its schema ({what})") from None
+    missing = [f for f in REQUIRED_FILES if f not in manifest.files]
+    if missing:
+        raise CheckpointError(f"{path}: {MANIFEST} does not list {', '.join(missing)} (incomplete checkpoint)")
+    return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def resolve_resume(cfg: Config, run_dir: Path | None = None) -> Checkpoint | None:
     """The checkpoint `run.resume` names: None (fresh start), `auto` (latest valid in the run
     directory, or a fresh start if there is none) or a path (a checkpoint directory, a
     `checkpoints/` directory or a run directory). A named checkpoint that fails
@@ -196,15 +272,14 @@ def resolve_resume(cfg: Config) -> Checkpoint | None:
     if resume is None:
         return None
     verify = cfg.checkpoint.verify
+    run_dir = run_dir or cfg.run_dir
     if resume == "auto":
-        ck = CheckpointManager(cfg.run_dir, verify=verify).latest_valid()
+        ck = CheckpointManager(run_dir, verify=verify).latest_valid()
         if ck is None:
-            log.warning("run.resume=auto: no valid checkpoint in %s; starting from scratch", cfg.run_dir / "checkpoints")
+            log.warning("run.resume=auto: no valid checkpoint in %s; starting from scratch", run_dir / "checkpoints")
         return ck
-    path = Path(resume).expanduser()
+    path = Path(resume).expanduser().absolute()
     if not path.exists():
-        from async_april.config import ConfigError
-
         raise ConfigError(f"run.resume={resume!r}: no such checkpoint; give a checkpoint directory, a run directory or `auto`")
     if path.name.startswith(PREFIX):
         mgr = CheckpointManager(path.parent.parent, verify=verify)
@@ -213,11 +288,22 @@ def resolve_resume(cfg: Config) -> Checkpoint | None:
         except CheckpointError as e:
             ck = mgr.latest_valid(below=path)
             if ck is None:
-                raise CheckpointError(f"{e}; and no older valid checkpoint next to it") from None
+                raise CheckpointError(f"run.resume={resume!r}: {one_line(str(e))}; and no older valid checkpoint next to it") from None
             log.warning("%s; using the previous valid checkpoint %s instead", e, ck.path)
             return ck
-    run_dir = path.parent if path.name == "checkpoints" else path
-    ck = CheckpointManager(run_dir, verify=verify).latest_valid()
+    resume_dir = path.parent if path.name == "checkpoints" else path
+    ck = CheckpointManager(resume_dir, verify=verify).latest_valid()
     if ck is None:
-        raise CheckpointError(f"run.resume={resume!r}: no valid checkpoint under {run_dir / 'checkpoints'}")
+        raise CheckpointError(f"run.resume={resume!r}: no valid checkpoint under {resume_dir / 'checkpoints'}; "
+                              "give a directory that holds checkpoints/step_*, or run.resume=auto to start fresh when there is none")
     return ck
+
+
+def check_model_fits(ck: Checkpoint, shape: dict[str, Any]) -> None:
+    """CheckpointError when `ck` was saved for a model of another shape than `shape` (model.path)."""
+    saved = ck.manifest.model_shape
+    diff = {k: (saved.get(k), shape.get(k)) for k in MODEL_SHAPE_KEYS if saved.get(k) != shape.get(k)}
+    if diff:
+        what = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"run.resume: {ck.path} was saved for another model than model.path ({what}; "
+                              "checkpoint vs model); resume with the model it was trained from")

@@ -361,7 +361,7 @@ class LearnerWorker:
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str) -> None:
-        """Sharded model + optimizer (DCP) and this rank's scheduler, RNG, step, version. Collective."""
+        """Sharded model + optimizer and this rank's scheduler, RNG, step, version (safetensors + JSON). Collective."""
         extra = {"step": self.step, "version": self.version, "bad_steps": self.bad_steps}
         ckpt.save(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, extra)
 
