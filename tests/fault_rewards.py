@@ -1,9 +1,11 @@
-"""Reward functions that misbehave on purpose, for tests/test_faults.py (imported by path
-`tests.fault_rewards:NAME` inside the generation actors)."""
+"""Reward functions that misbehave on purpose, for tests/test_faults.py and tests/test_task_and_reward.py
+(imported by path `tests.fault_rewards:NAME` inside the generation actors and reward workers)."""
 
 from __future__ import annotations
 
 import math
+import signal
+import time
 
 from async_april.rewards.reverse import reverse_match
 
@@ -24,3 +26,25 @@ def nan_every_fifth(prompt: str, response: str, answer: str, **extra) -> float:
     global _calls
     _calls += 1
     return math.nan if _calls % 5 == 0 else reverse_match(prompt=prompt, response=response, answer=answer)
+
+
+def sleeps_forever(prompt: str, response: str, answer: str, **extra) -> float:
+    """Never returns (a reward stuck on I/O or in an endless loop)."""
+    time.sleep(1e9)
+    return 0.0
+
+
+def ignores_its_timer(prompt: str, response: str, answer: str, **extra) -> float:
+    """Never returns and cannot be interrupted by SIGALRM (as if stuck inside C code)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(1e9)
+    return 0.0
+
+
+def hangs_every_15th(prompt: str, response: str, answer: str, **extra) -> float:
+    """reverse_match, except every 15th call in this process never returns."""
+    global _calls
+    _calls += 1
+    if _calls % 15 == 0:
+        time.sleep(1e9)
+    return reverse_match(prompt=prompt, response=response, answer=answer)

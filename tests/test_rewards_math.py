@@ -126,3 +126,53 @@ def test_score_async_inline_when_no_workers():
     scorer = RewardScorer(RewardConfig(functions={"gsm8k": 1.0}))
     assert asyncio.run(scorer.score_async("", "#### 3", "3")) == (1.0, {"gsm8k": 1.0})
     assert scorer._pool is None
+
+
+def test_hanging_reward_times_out_per_on_error_without_blocking_the_event_loop():
+    """`reward.timeout_s`: a reward that sleeps forever is stopped by its worker's timer (the worker
+    lives on), one that cannot be interrupted (SIGALRM blocked, as if stuck in C) has its worker
+    killed; both score per on_error while a well-behaved call on the same loop finishes at once."""
+    import time
+
+    functions = {"reverse_match": 1.0, "tests.fault_rewards:sleeps_forever": 1.0}
+    scorer = RewardScorer(RewardConfig(functions=functions, num_workers=2, timeout_s=0.5))
+    quick = RewardScorer(RewardConfig(functions={"reverse_match": 1.0}, num_workers=1, timeout_s=0.5))
+    try:
+        scorer.score("12=", "21", "21"), quick.score("12=", "21", "21")  # workers started before timing (1 error)
+
+        async def both():
+            t0 = time.perf_counter()
+            hang = asyncio.ensure_future(scorer.score_async("12=", "21", "21"))
+            ok = await quick.score_async("12=", "21", "21")
+            t_ok = time.perf_counter() - t0
+            return ok, t_ok, await hang, time.perf_counter() - t0
+
+        ok, t_ok, hung, t_hung = asyncio.run(both())
+        assert ok == (1.0, {"reverse_match": 1.0}) and t_ok < 0.5, "the event loop waited on the hanging reward"
+        assert hung == (1.0, {"reverse_match": 1.0, "tests.fault_rewards:sleeps_forever": 0.0})
+        assert 0.5 <= t_hung < 2.0 and scorer.errors == 2
+        assert scorer.score("12=", "21", "21")[1]["reverse_match"] == 1.0  # same pool, still serving
+        assert scorer.errors == 3
+    finally:
+        scorer.close()
+        quick.close()
+    stuck = RewardScorer(RewardConfig(functions={"tests.fault_rewards:ignores_its_timer": 1.0}, num_workers=1,
+                                      timeout_s=0.3, on_error="zero"))
+    try:
+        t0 = time.perf_counter()
+        assert asyncio.run(stuck.score_async("", "", "")) == (0.0, {"tests.fault_rewards:ignores_its_timer": 0.0})
+        assert time.perf_counter() - t0 < 5 and stuck.errors == 1 and stuck._pool is None  # killed, rebuilt on demand
+    finally:
+        stuck.close()
+    stop = RewardScorer(RewardConfig(functions={"tests.fault_rewards:sleeps_forever": 1.0}, num_workers=1,
+                                     timeout_s=0.3, on_error="stop"))
+    try:
+        with pytest.raises(RewardError, match="took longer than reward.timeout_s=0.3s"):
+            stop.score("", "", "")
+    finally:
+        stop.close()
+
+
+def test_reward_timeout_needs_worker_processes():
+    with pytest.raises(ValueError, match="reward.timeout_s needs reward.num_workers >= 1"):
+        RewardConfig(functions={"reverse_match": 1.0}, timeout_s=5)

@@ -16,6 +16,15 @@ Pool workers build their own function table from the config and report each
 function's value or traceback; the error policy and counting stay in the
 calling process. A pool that breaks (a worker killed) is rebuilt and the
 samples scored during the break count as reward errors.
+
+`reward.timeout_s` (needs num_workers > 0: only a process can be stopped): each
+function call in a worker runs under a SIGALRM timer that raises `RewardTimeout`
+inside it, so a reward that sleeps or loops in Python is an ordinary error for
+`reward.on_error` and its worker goes on. One stuck where the timer cannot
+reach it (inside C code) is given up on by the caller at twice `timeout_s` per
+function plus HARD_GRACE_S: the pool's processes are killed and the pool
+rebuilt, and the calls it held count as reward errors. Either way its group is not held up
+beyond the timeout, and the actor's event loop never waits on a reward.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import signal
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from async_april.config import RewardConfig
+from async_april.errors import UserError
 from async_april.rewards import get_reward_fn
 
 log = logging.getLogger(__name__)
@@ -38,18 +49,39 @@ Outcome = tuple[str, float | None, str | None]
 """(reward name, value or None, error text or None) for one function on one response."""
 
 
-class RewardError(RuntimeError):
+HARD_GRACE_S = 1.0
+"""Past twice timeout_s per function plus this, a call its worker's own timer could not stop is abandoned."""
+
+
+class RewardError(UserError, RuntimeError):
     """A reward function failed and `reward.on_error` is `stop`."""
 
 
-def _run_functions(functions: dict[str, Any], prompt: str, response: str, answer: str, extra: dict[str, Any] | None) -> list[Outcome]:
+class RewardTimeout(Exception):
+    """Raised inside a reward call (worker process) that ran past `reward.timeout_s`."""
+
+
+def _alarm(signum, frame):
+    raise RewardTimeout()
+
+
+def _run_functions(functions: dict[str, Any], prompt: str, response: str, answer: str, extra: dict[str, Any] | None,
+                   timeout_s: float | None = None) -> list[Outcome]:
     out: list[Outcome] = []
     for name, fn in functions.items():
         try:
-            value = float(fn(prompt=prompt, response=response, answer=answer, **(extra or {})))
+            if timeout_s is not None:
+                signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            try:
+                value = float(fn(prompt=prompt, response=response, answer=answer, **(extra or {})))
+            finally:
+                if timeout_s is not None:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
             if not math.isfinite(value):
                 raise ValueError(f"reward {name!r} returned {value}")
             out.append((name, value, None))
+        except RewardTimeout:
+            out.append((name, None, f"RewardTimeout: reward {name!r} took longer than reward.timeout_s={timeout_s}s"))
         except Exception as e:  # noqa: BLE001 - reported to the caller, which applies reward.on_error
             out.append((name, None, f"{e!r}\n{traceback.format_exc()}"))
     return out
@@ -60,15 +92,21 @@ def _run_functions(functions: dict[str, Any], prompt: str, response: str, answer
 _WORKER_FUNCTIONS: dict[str, Any] = {}
 
 
-def _init_worker(names: list[str]) -> None:
+_WORKER_TIMEOUT: list[float | None] = [None]
+
+
+def _init_worker(names: list[str], timeout_s: float | None = None) -> None:
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _WORKER_FUNCTIONS.update({name: get_reward_fn(name) for name in names})
+    _WORKER_TIMEOUT[0] = timeout_s
+    if timeout_s is not None:
+        signal.signal(signal.SIGALRM, _alarm)  # tasks run in the worker's main thread, where signals arrive
 
 
 def _score_in_worker(prompt: str, response: str, answer: str, extra: dict[str, Any] | None) -> list[Outcome]:
-    return _run_functions(_WORKER_FUNCTIONS, prompt, response, answer, extra)
+    return _run_functions(_WORKER_FUNCTIONS, prompt, response, answer, extra, _WORKER_TIMEOUT[0])
 
 
 # ----------------------------------------------------------------- the scorer
@@ -87,9 +125,12 @@ class RewardScorer:
         if self.cfg.num_workers == 0:
             return self._combine(_run_functions(self.functions, prompt, response, answer, extra))
         try:
-            outcomes = self._get_pool().submit(_score_in_worker, prompt, response, answer, extra).result()
+            fut = self._get_pool().submit(_score_in_worker, prompt, response, answer, extra)
+            outcomes = fut.result(timeout=self._hard_deadline_s)
         except BrokenProcessPool as e:
             outcomes = self._pool_broken(e)
+        except TimeoutError:
+            outcomes = self._abandon_stuck()
         return self._combine(outcomes)
 
     async def score_async(self, prompt: str, response: str, answer: str, extra: dict[str, Any] | None = None) -> tuple[float, dict[str, float]]:
@@ -99,9 +140,12 @@ class RewardScorer:
             return self.score(prompt, response, answer, extra)
         loop = asyncio.get_running_loop()
         try:
-            outcomes = await loop.run_in_executor(self._get_pool(), _score_in_worker, prompt, response, answer, extra)
+            call = loop.run_in_executor(self._get_pool(), _score_in_worker, prompt, response, answer, extra)
+            outcomes = await asyncio.wait_for(call, self._hard_deadline_s)
         except BrokenProcessPool as e:
             outcomes = self._pool_broken(e)
+        except asyncio.TimeoutError:
+            outcomes = self._abandon_stuck()
         return self._combine(outcomes)
 
     def close(self) -> None:
@@ -116,15 +160,33 @@ class RewardScorer:
             pool.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ---------------------------------------------------------------
+    @property
+    def _hard_deadline_s(self) -> float | None:
+        t = self.cfg.timeout_s
+        return None if t is None else 2 * t * len(self.cfg.functions) + HARD_GRACE_S
+
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 max_workers=self.cfg.num_workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(list(self.cfg.functions),),
+                initargs=(list(self.cfg.functions), self.cfg.timeout_s),
             )
         return self._pool
+
+    def _abandon_stuck(self) -> list[Outcome]:
+        """A call its worker's timer could not stop (stuck in C code): kill the pool's processes
+        (the only way to stop it) and start a new pool for the next calls."""
+        log.error("a reward call did not return within reward.timeout_s=%ss even after its timer fired; "
+                  "killing the reward worker processes", self.cfg.timeout_s)
+        if self._pool is not None:
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.kill()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        return [(name, None, f"RewardTimeout: reward call did not return within reward.timeout_s={self.cfg.timeout_s}s "
+                 "(its worker process was killed)") for name in self.cfg.functions]
 
     def _pool_broken(self, exc: BaseException) -> list[Outcome]:
         log.error("reward worker pool broke (%r); rebuilding it", exc)
