@@ -71,6 +71,10 @@ class GenerationActor:
         await self.engine.start()
         return self.engine.version
 
+    def startup_note(self) -> str:
+        """What the engine's start-up is waiting for, if it says (the SGLang engine does); answered while `start` runs."""
+        return getattr(self.engine, "startup_note", "")
+
     def pin_cpus(self, cores: tuple[int, ...]) -> None:
         """Pin this actor's process, the engine's thread included, to `cores` (run.pin_cpus)."""
         from async_april.cpu_pinning import pin_process

@@ -50,9 +50,30 @@ class ActorPool:
         """Create and start `n` actors; their loops start with `start_loops` (after weights are loaded)."""
         import ray
 
+        from async_april.console import stage
+
         new = [self._spawn() for _ in range(n)]
-        ray.get([self.actors[i].start.remote() for i in new])
+        pending = [self.actors[i].start.remote() for i in new]
+        refs = list(pending)
+        with stage(f"starting {n} {self.cfg.rollout.engine} engine(s)", total=n, unit="engine") as bar:
+            while pending:  # an SGLang server can take minutes: say what it is waiting for
+                done, pending = ray.wait(pending, timeout=1.0)
+                bar.update(len(done))
+                if pending:
+                    bar.set_postfix_str(self._startup_notes(new))
+        ray.get(refs)
         self._pin(new)
+
+    def _startup_notes(self, actor_ids: list[str]) -> str:
+        import ray
+
+        notes = []
+        for i in actor_ids:
+            try:
+                notes.append(ray.get(self.actors[i].startup_note.remote(), timeout=5))
+            except Exception:  # noqa: BLE001 - a failed start is reported by its own ref
+                pass
+        return "; ".join(n for n in notes if n)
 
     def _spawn(self) -> str:
         import ray
@@ -155,8 +176,10 @@ class ActorPool:
                     self.cfg.rollout.max_actor_restarts)
 
     # -- calls that tolerate a death ------------------------------------------------------------
-    def wait_for_batch(self, poll_s: float = 1.0):
-        """Block on the store for a batch, handling actor deaths while waiting."""
+    def wait_for_batch(self, poll_s: float = 1.0, stop: Callable[[], bool] | None = None):
+        """Block on the store for a batch, handling actor deaths while waiting. When `stop()` turns
+        true (a signal) the wait is cancelled and None returned -- unless the store had already
+        handed the batch out, which is then returned so that it is trained, not lost."""
         import ray
 
         ref = self.store.get_batch.remote()
@@ -164,6 +187,12 @@ class ActorPool:
             ready, _ = ray.wait([ref], timeout=poll_s)
             if ready:
                 return ray.get(ref)
+            if stop is not None and stop():
+                ray.cancel(ref)  # get_batch moves groups out only in a step with no await: all or nothing
+                try:
+                    return ray.get(ref)
+                except (ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError):
+                    return None
             self.check()
 
     def call_all(self, method: str, *args) -> list:

@@ -68,7 +68,7 @@ def test_short_build_is_deterministic_and_cached(tmp_path, capsys):
     a = ensure_tiny_model(str(tmp_path / "a"), seed=0, **quick)
     b = ensure_tiny_model(str(tmp_path / "b"), seed=0, **quick)
     assert a.name == b.name and a.name.startswith("tiny-reverse-")
-    assert (a / MARKER).exists() and "sft step 3/3" in capsys.readouterr().out
+    assert (a / MARKER).exists() and "SFT warm start: done (3 steps)" in capsys.readouterr().err
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     info = json.loads((a / "build_info.json").read_text())

@@ -108,9 +108,11 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout_s
         last_err = "no answer"
         while time.monotonic() < deadline:
+            self.startup_note = f"SGLang at {self.url}: {time.monotonic() - t0:.0f}s of {self.startup_timeout_s:.0f}s ({last_err})"
             if self._proc is not None and self._proc.poll() is not None:
                 raise SGLangError(f"SGLang server exited with code {self._proc.returncode} during startup\n{self._log_tail()}")
             for path in ("/health", "/get_model_info"):

@@ -216,21 +216,22 @@ def _sft_step(model, tok, rows: list[dict], micro_batches: int) -> torch.Tensor:
     return total
 
 
-def warm_start(model, tok, settings: TinyBuildSettings, seed: int, log_every: int = 20) -> float:
+def warm_start(model, tok, settings: TinyBuildSettings, seed: int) -> float:
     """Teacher-forced SFT on reversal rows from the build's own seed stream; returns the last loss."""
+    from async_april.console import stage
+
     rng = np.random.default_rng([seed, _SFT_STREAM])
     opt = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr)
     model.train()
-    start, loss = time.perf_counter(), torch.tensor(float("nan"))
-    for step in range(1, settings.sft_steps + 1):
-        opt.zero_grad(set_to_none=True)
-        rows = sample_reverse_rows(rng, settings.sft_batch_size)
-        loss = _sft_step(model, tok, rows, settings.sft_micro_batches)
-        opt.step()
-        if step % log_every == 0 or step == settings.sft_steps:
-            elapsed = time.perf_counter() - start
-            print(f"[tiny-reverse] sft step {step}/{settings.sft_steps} loss {loss.item():.4f} "
-                  f"elapsed {elapsed:.1f}s", flush=True)
+    loss = torch.tensor(float("nan"))
+    with stage("building the tiny model: SFT warm start", total=settings.sft_steps, unit="step") as bar:
+        for _ in range(settings.sft_steps):
+            opt.zero_grad(set_to_none=True)
+            rows = sample_reverse_rows(rng, settings.sft_batch_size)
+            loss = _sft_step(model, tok, rows, settings.sft_micro_batches)
+            opt.step()
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss.item():.4f}")
     model.eval()
     return float(loss.item())
 
