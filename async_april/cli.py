@@ -1,52 +1,106 @@
 """`async-april` command line.
 
     async-april train CONFIG [section.key=value ...]   run training (embedded Ray or the surrounding cluster)
-    async-april check CONFIG [section.key=value ...]   validate a config and print the resolved YAML
+    async-april check CONFIG [section.key=value ...]   resolve a config against the world, print it; starts nothing
     async-april build-model [--cache-dir D] [--seed S] build the tiny built-in model
-    async-april plot RUN_DIR                           plot a run's metrics.jsonl to PNG
+    async-april plot RUN_DIR [--out FILE]              plot a run's metrics.jsonl to PNG
+    async-april --version
+
+One error path: bad input of any kind (config, YAML, data, model, reward,
+checkpoint, run directory, plot input) is a UserError (async_april/errors.py),
+printed as one line `error: ...` with exit status 2 and no traceback. A run
+stopped by SIGINT/SIGTERM exits 130/143 after saying where its checkpoint is.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
 
-from async_april.config import ConfigError
+from async_april.errors import UserError, one_line
+
+OVERRIDES_HELP = "dotted overrides, e.g. rollout.n_samples=4 async.max_staleness=2 (docs/configuration.md)"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("async-april")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="async-april", description="Asynchronous RL post-training for LLMs.",
+                                 epilog="`async-april COMMAND --help` describes each command.")
+    ap.add_argument("--version", action="version", version=f"async-april {version()}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, text in (("train", "run training: resolves the config (as `check` does), then starts Ray and the actors"),
+                       ("check", "resolve a config against the world -- run dir, model, tokenizer, data (first rows), "
+                                 "rewards, resume target -- and print it; starts nothing")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/tiny_cpu.yaml")
+        p.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    # These two parse their own options (their --help too).
+    sub.add_parser("build-model", help="build (or find) the tiny built-in model", add_help=False)
+    sub.add_parser("plot", help="plot a run's metrics.jsonl (reward, length, throughput, staleness) to PNG", add_help=False)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    cmd, rest = argv[0], argv[1:]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_parser()
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.command in ("train", "check"):
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.WARNING, format="[async-april] %(levelname)s %(name)s: %(message)s")
     try:
-        if cmd == "train":
-            from async_april.train import main as train_main
-
-            if not rest:
-                raise ConfigError("usage: async-april train CONFIG [section.key=value ...]")
-            train_main(rest)
-        elif cmd == "check":
-            import yaml
-
-            from async_april.config import load_config
-
-            cfg = load_config(rest[0] if rest else None, rest[1:])
-            print(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
-        elif cmd == "build-model":
-            from async_april.models.tiny import main as build_main
-
-            build_main(rest)
-        elif cmd == "plot":
-            from async_april.plot import main as plot_main
-
-            plot_main(rest)
-        else:
-            print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
-            return 2
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        return _run(args, rest)
+    except UserError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (no checkpoint saved)", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    from async_april.stopping import Interrupted
+
+    if args.command == "build-model":
+        from async_april.models.tiny import main as build_main
+
+        return build_main(rest)
+    if args.command == "plot":
+        from async_april.plot import main as plot_main
+
+        plot_main(rest)
+        return 0
+    from async_april.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "check":
+        import yaml
+
+        from async_april.console import say
+        from async_april.resolve import CHECK_ROWS, resolve
+
+        r = resolve(cfg, sample_rows=CHECK_ROWS)
+        for line in r.describe():
+            say(line)
+        print(yaml.safe_dump(r.cfg.to_yaml_dict(), sort_keys=False))
+        say(f"ok: {args.config} resolves (data: first {CHECK_ROWS} rows checked)")
+        return 0
+    from async_april.train import train
+
+    try:
+        train(cfg)
+    except Interrupted as e:
+        print(f"[async-april] {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     return 0
 
 

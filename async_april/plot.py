@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from async_april.errors import PlotError
+
 PANELS = (
     ("rollout/reward_mean", "reward (mean)"),
     ("rollout/response_len_mean", "response length (tokens)"),
@@ -16,10 +18,33 @@ PANELS = (
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of `run_dir/metrics.jsonl`. A cut-short last line (a run killed while writing it) is
+    skipped with a warning; anything else unreadable is a PlotError naming the line."""
+    from async_april.console import say
+
     path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise PlotError(f"{run_dir} is not a directory; give a run directory (the run's run.dir)")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise PlotError(f"{run_dir} holds no metrics.jsonl: not a run directory, or no step has finished yet")
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if i == len(lines):
+                say(f"warning: {path}: line {i} is cut short (the run stopped while writing it); plotting the rows before it")
+                continue
+            raise PlotError(f"{path}: line {i} is not JSON ({e}); fix or delete that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("train/step"), (int, float)):
+            raise PlotError(f"{path}: line {i} has no train/step; is this an async-april metrics file?")
+        rows.append(row)
+    if not rows:
+        raise PlotError(f"{path} has no rows yet; plot once a step has finished")
+    return rows
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -41,11 +66,12 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if key == "staleness/max":
+        if key == "staleness/max" and ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out = out or run_dir / "metrics.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
@@ -78,7 +104,7 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], out: Path, xlabel:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="async-april plot", description=__doc__)
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
+    ap.add_argument("--out", type=Path, default=None, help="PNG to write (default RUN_DIR/metrics.png)")
     a = ap.parse_args(argv)
     print(plot_run(a.run_dir, a.out))

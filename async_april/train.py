@@ -17,9 +17,11 @@ With the sync preset that happens every step, which is synchronous training.
 Faults (docs/reliability.md): a dead generation actor is handled by
 `actors/pool.py` (leases back to the store, replacement loads the current
 weights); a skipped learner step (non-finite loss) is not broadcast and does
-not bump the version; every `checkpoint.every` steps and at the end,
-`async_april/checkpointing.py` saves learner + store + `RunState` atomically;
-`run.resume` restores them and pushes the restored weights before generating.
+not bump the version; every `checkpoint.every` steps, at the end and on
+SIGINT/SIGTERM (`stopping.py`), `async_april/checkpointing.py` saves learner +
+store + `RunState` atomically; `run.resume` restores them and pushes the
+restored weights before generating. Bad input never gets this far:
+`resolve.py` checks the config against the world before Ray starts.
 
 Run: `async-april train CONFIG [k=v ...]` or `python -m async_april.train CONFIG [k=v ...]`.
 """
@@ -35,49 +37,54 @@ from pathlib import Path
 
 import numpy as np
 
-from async_april.config import Config, ConfigError, load_config, save_config
+from async_april.config import Config, save_config
+from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
-from async_april.tracking import Tracker, progress, redact
+from async_april.stopping import GracefulStop, Interrupted
+from async_april.tracking import Tracker, redact
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     """Run `cfg`; `on_step(step, batch, learner)`, if given, sees each trained batch (tests, tools);
-    if it takes a `pool` keyword it also gets the `ActorPool` (fault drills: `pool.kill("gen0")`)."""
+    if it takes a `pool` keyword it also gets the `ActorPool` (fault drills: `pool.kill("gen0")`).
+    Bad input raises a UserError before Ray starts; a signal raises `Interrupted` once a checkpoint is saved."""
     import ray
 
-    from async_april.checkpointing import resolve_resume
-    from async_april.data import load_prompts
-    from async_april.models.tiny import resolve_model_path
-    from transformers import AutoTokenizer
+    from async_april import rundir
+    from async_april.resolve import resolve
 
-    run_dir = cfg.run_dir
-    resume = resolve_resume(cfg)  # before anything starts: a bad path is a config error
+    r = resolve(cfg)
+    cfg, run_dir, resume = r.cfg, r.run_dir.path, r.resume
+    moved = rundir.prepare(r.run_dir, cfg)
+    if moved is not None:
+        say(f"run.overwrite: moved the previous run to {moved}")
     save_config(cfg, run_dir)
     (run_dir / "config.yaml").write_text(redact((run_dir / "config.yaml").read_text()))
-    try:
-        model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    dataset = load_prompts(cfg, AutoTokenizer.from_pretrained(model_path))
-    progress(f"run dir {run_dir}; model {model_path}; {len(dataset)} prompts")
-    if resume is not None:
-        progress(f"resuming from {resume.path} (step {resume.step}, policy version {resume.version})")
-        if resume.manifest.get("wandb_run_id"):
-            (run_dir / "wandb_run_id").write_text(resume.manifest["wandb_run_id"])
+    for line in r.describe():
+        say(line)
     started_ray = init_ray(cfg)
-    tracker = Tracker(cfg, run_dir, resume=resume is not None)  # metrics.jsonl is appended on resume
+    same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
+    tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
+                      elapsed_s=resume.controller_state().get("time/elapsed_s", 0.0) if resume else 0.0,
+                      wandb_run_id=resume.manifest.wandb_run_id if same_run else None)
+    stop = GracefulStop()
     try:
-        run_loop(cfg, model_path, dataset, tracker, on_step, resume, learner_factory)
+        with stop:
+            run = run_loop(cfg, r, tracker, stop, on_step, learner_factory)
     finally:
         tracker.close()
         if started_ray:
             ray.shutdown()
+    say(tracker.summary(run.last_checkpoint))
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, run.step, run.last_checkpoint)
     return run_dir
 
 
-def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=None, resume=None, learner_factory=None) -> None:
+def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None, learner_factory=None) -> "RunState":
+    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end."""
     import ray
 
     from actors.pool import ActorPool
@@ -85,10 +92,11 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
     from learners.group import LearnerGroup
     from learners.weight_sync import WeightSyncer
 
-    store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, dataset)
+    resume, model_path = r.resume, str(r.model_path)
+    store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, r.dataset)
     learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
-    run = RunState.restore(resume, store, learner, cfg) if resume is not None else RunState(cfg)
+    run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
     plan = plan_pinning(cfg)
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
@@ -108,7 +116,9 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
         last = pool.totals()
         for step in range(run.step + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
-            groups = pool.wait_for_batch()
+            groups = pool.wait_for_batch(stop=stop.requested)
+            if groups is None:  # a signal while waiting: this step is abandoned, nothing of it trained
+                break
             t_wait = time.perf_counter() - t0
             if cfg.rollout.early_stop:
                 pool.call_all("early_stop")
@@ -136,41 +146,51 @@ def run_loop(cfg: Config, model_path: str, dataset, tracker: Tracker, on_step=No
                 on_step(step, batch, learner, **({"pool": pool} if hook_gets_pool else {}))
             if step == cfg.run.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 run.save(store, learner, pool, tracker)
-        if cfg.checkpoint.export_hf:
-            progress(f"exported {learner.export_hf(str(cfg.run_dir / 'hf'))}")
+            if stop.requested():
+                break
+        if stop.requested() and run.step > 0 and run.saved_step != run.step:
+            run.save(store, learner, pool, tracker)
+        if cfg.checkpoint.export_hf and not stop.requested():
+            say(f"exported {learner.export_hf(str(cfg.run_dir / 'hf'))}")
     finally:
         pool.stop()
         learner.shutdown()
         if plan is not None and driver_cores:
             pin_process(driver_cores)  # the caller's process gets its cores back
+    return run
 
 
 class RunState:
-    """The controller's own state: step and cumulative counters; saved with every checkpoint."""
+    """The controller's own state: step, cumulative counters, where the last checkpoint is."""
 
-    def __init__(self, cfg: Config, step: int = 0, bad_steps: int = 0, actor_restarts: int = 0):
-        self.cfg, self.step, self.bad_steps, self.actor_restarts_before = cfg, step, bad_steps, actor_restarts
+    def __init__(self, cfg: Config, model_shape: dict, step: int = 0, bad_steps: int = 0, actor_restarts: int = 0,
+                 checkpoint: Path | None = None):
+        self.cfg, self.model_shape, self.step, self.bad_steps = cfg, model_shape, step, bad_steps
+        self.actor_restarts_before = actor_restarts
+        self.last_checkpoint = checkpoint
+        self.saved_step = step if checkpoint is not None else -1
 
     @classmethod
-    def restore(cls, ck, store, learner, cfg: Config) -> "RunState":
+    def restore(cls, ck, store, learner, cfg: Config, model_shape: dict) -> "RunState":
         """Learner (model, optimizer, scheduler, RNG, version) and store from checkpoint `ck`."""
         import ray
 
         from async_april.checkpointing import config_hash
 
-        if ck.manifest.get("config_hash") != config_hash(cfg):
-            progress(f"warning: the config differs from the one {ck.path} was saved with (settings other than run.*/logging.*)")
+        if ck.manifest.config_hash != config_hash(cfg):
+            say(f"warning: the config differs from the one {ck.path} was saved with (settings other than run.*/logging.*)")
         learner.load_checkpoint(str(ck.learner_dir))
         ray.get(store.call.remote("load_state_dict", ck.store_state()))
         c = ck.controller_state()
-        return cls(cfg, int(c["step"]), int(c["train/bad_steps"]), int(c["rollout/actor_restarts"]))
+        return cls(cfg, model_shape, int(c["step"]), int(c["train/bad_steps"]), int(c["rollout/actor_restarts"]),
+                   checkpoint=ck.path)
 
     def metrics(self, pool, version: int) -> dict[str, float]:
         return {"train/step": self.step, "train/policy_version": version, "train/bad_steps": self.bad_steps,
                 "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
                 "rollout/actors_alive": len(pool.actors)}
 
-    def save(self, store, learner, pool, tracker: Tracker):
+    def save(self, store, learner, pool, tracker: Tracker) -> Path:
         import ray
 
         from async_april.checkpointing import CheckpointManager, config_hash
@@ -178,11 +198,13 @@ class RunState:
         t0 = time.perf_counter()
         ck = self.cfg.checkpoint
         controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
-                      "rollout/actor_restarts": self.actor_restarts_before + pool.restarts}
+                      "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
+                      "time/elapsed_s": round(tracker.elapsed_s, 3)}
         path = CheckpointManager(self.cfg.run_dir, ck.keep, ck.verify).save(
             self.step, learner.version, learner, ray.get(store.call.remote("state_dict")), controller,
-            tracker.wandb_run_id, config_hash(self.cfg))
-        progress(f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
+            tracker.wandb_run_id, config_hash(self.cfg), self.model_shape)
+        say(f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
+        self.last_checkpoint, self.saved_step = path, self.step
         return path
 
 
@@ -246,13 +268,14 @@ def plan_pinning(cfg: Config) -> CpuPlan | None:
     if plan is None:
         log.warning("not pinning CPUs: %s", why)
     else:
-        progress(f"pinned CPUs: engines on cores {list(plan.engine_cores)}, learner/store/driver on {list(plan.other_cores)}")
+        say(f"pinned CPUs: engines on cores {list(plan.engine_cores)}, learner/store/driver on {list(plan.other_cores)}")
     return plan
 
 
 def init_ray(cfg: Config) -> bool:
     """Join the given or surrounding cluster (`ray job submit` sets RAY_ADDRESS), else start an
-    embedded one bound to loopback. Returns whether this call started Ray."""
+    embedded one on this machine with its dashboard off (Ray's own ports listen on every interface,
+    guarded by its token auth: docs/reliability.md). Returns whether this call started Ray."""
     import ray
 
     if ray.is_initialized():
@@ -271,15 +294,10 @@ def init_ray(cfg: Config) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return
-    try:
-        train(load_config(argv[0], argv[1:]))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    """`python -m async_april.train CONFIG [k=v ...]`: the same as `async-april train` (one error path)."""
+    from async_april.cli import main as cli_main
+
+    sys.exit(cli_main(["train", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import torch
 
 from async_april.checkpointing import CheckpointManager
 from async_april.config import ConfigError, load_config
+from async_april.models.tiny import resolve_model_path
 from async_april.train import init_ray, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,8 +48,9 @@ def rows(cfg):
 
 
 def store_state(ckpt_dir: Path) -> dict:
-    with open(ckpt_dir / "store.pkl", "rb") as f:
-        return pickle.load(f)
+    from async_april import state_codec
+
+    return state_codec.load(ckpt_dir, "store")
 
 
 def assert_each_prompt_once(state: dict) -> None:
@@ -146,7 +147,10 @@ def test_async_job_killed_then_resumed_from_a_truncated_checkpoint_loses_nothing
     """Async preset (eta 2, interrupt): the job dies in step 3 (checkpoints 1 and 2 on disk);
     checkpoint 2 is then truncated. `run.resume=auto` must skip it with a warning naming both,
     resume from 1 (partials with their logprobs and versions), and finish with no prompt lost or
-    trained twice; metrics.jsonl keeps the rows written before the crash."""
+    trained twice; metrics.jsonl ends with one row per step (rows 2-3 of the dead job are redone),
+    `time/elapsed_s` continues, and the W&B run is rewound to step 1 and continued."""
+    from tests.wandb_records import read_offline_run
+
     cfg = make_cfg(tmp_path, "run.steps=5", "rollout.on_weight_update=interrupt", "rollout.concurrency=4",
                    "checkpoint.every=1", "checkpoint.keep=3", "logging.wandb=offline")
 
@@ -159,9 +163,11 @@ def test_async_job_killed_then_resumed_from_a_truncated_checkpoint_loses_nothing
     mgr = CheckpointManager(cfg.run_dir)
     assert [p.name for p in mgr.list()] == ["step_00000001", "step_00000002"]
     rows_before = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["train/step"] for r in rows_before] == [1, 2, 3]
     wandb_id = (cfg.run_dir / "wandb_run_id").read_text()
     at_ckpt1 = store_state(mgr.path_for(1))
-    victim = mgr.path_for(2) / "store.pkl"
+    elapsed_at_1 = json.loads((mgr.path_for(1) / "controller.json").read_text())["time/elapsed_s"]
+    victim = mgr.path_for(2) / "store.safetensors"
     victim.write_bytes(victim.read_bytes()[:100])  # truncated on disk
 
     batches = []
@@ -173,8 +179,15 @@ def test_async_job_killed_then_resumed_from_a_truncated_checkpoint_loses_nothing
     assert "truncated" in warning and "step_00000001" in warning
     assert [s for s, _ in batches] == [2, 3, 4, 5]
     text = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
-    assert text[: len(rows_before)] == rows_before, "metrics written before the crash were lost"
+    assert text[0] == rows_before[0], "the row of the checkpointed step was rewritten"
+    got = [json.loads(line) for line in text]
+    assert [r["train/step"] for r in got] == [1, 2, 3, 4, 5], "one row per step after the resume"
+    elapsed = [r["time/elapsed_s"] for r in got]
+    assert elapsed == sorted(elapsed) and elapsed[1] >= elapsed_at_1, "time/elapsed_s restarted at 0"
     assert (cfg.run_dir / "wandb_run_id").read_text() == wandb_id
+    first, resumed = (read_offline_run(p) for p in sorted((cfg.run_dir / "wandb").glob("offline-run-*")))
+    assert first.run_id == resumed.run_id == wandb_id and first.steps == [1, 2, 3]
+    assert (resumed.branch_run, resumed.branch_step, resumed.steps) == (wandb_id, 1, [2, 3, 4, 5])
     final = store_state(mgr.list()[-1])
     assert_each_prompt_once(final)
     assert len(final["trained"]) == len(set(final["trained"])) == 5 * cfg.rollout.batch_groups
@@ -199,33 +212,6 @@ def test_async_job_killed_then_resumed_from_a_truncated_checkpoint_loses_nothing
     assert all(r["staleness/max"] <= cfg.async_.max_staleness for r in rows(cfg))
 
 
-def test_truncated_or_incomplete_checkpoint_is_detected(tmp_path, caplog):
-    """Unit-level: checkpoints written by CheckpointManager with a stand-in learner; a truncated
-    file, a flipped byte and a missing manifest are each rejected, and the previous one is used."""
-
-    class FakeLearner:
-        def save_checkpoint(self, path):
-            Path(path).mkdir()
-            (Path(path) / "weights.bin").write_bytes(os.urandom(4096))
-
-    mgr = CheckpointManager(tmp_path, keep=3)
-    for step in (1, 2, 3, 4):
-        mgr.save(step, step, FakeLearner(), {"cursor": step}, {"step": step}, None, "h")
-    assert [p.name for p in mgr.list()] == ["step_00000002", "step_00000003", "step_00000004"]  # keep=3
-    (mgr.path_for(4) / "learner/weights.bin").write_bytes(b"short")  # truncated
-    flipped = bytearray((mgr.path_for(3) / "learner/weights.bin").read_bytes())
-    flipped[7] ^= 0xFF
-    (mgr.path_for(3) / "learner/weights.bin").write_bytes(bytes(flipped))  # same size, corrupt
-    with caplog.at_level(logging.WARNING):
-        ck = mgr.latest_valid()
-    assert ck.step == 2 and ck.store_state() == {"cursor": 2}
-    msg = caplog.text
-    assert "step_00000004" in msg and "truncated" in msg and "step_00000003" in msg and "sha256" in msg and "step_00000002" in msg
-    (mgr.path_for(2) / "manifest.json").unlink()
-    assert mgr.latest_valid() is None
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
-
-
 # --------------------------------------------------------------------------- bad rewards
 def test_reward_raising_with_on_error_stop_stops_with_its_message_and_keeps_output(cluster, tmp_path):
     from async_april.rewards.scoring import RewardError
@@ -244,32 +230,69 @@ def test_reward_raising_with_on_error_stop_stops_with_its_message_and_keeps_outp
 
 @pytest.fixture(scope="module")
 def nan_reward_run(cluster, tmp_path_factory):
-    """One W&B-offline run with fake API keys in the environment and a reward that returns NaN."""
+    """One W&B-offline run with fake API keys in the environment, a reward that returns NaN and one
+    that hangs now and then (reward.timeout_s); the learner's final weights are kept."""
     tmp = tmp_path_factory.mktemp("nanreward")
     fake = {"WANDB_API_KEY": "wandbFAKEKEY0123456789abcdef", "HF_TOKEN": "hf_FAKETOKEN0123456789",
             "MYSERVICE_API_KEY": "svcFAKEKEY987654321"}
     saved = {k: os.environ.get(k) for k in [*fake, "WANDB_DIR", "WANDB_MODE"]}
     os.environ.update(fake, WANDB_DIR=str(tmp))
+    final = {}
     try:
-        cfg = make_cfg(tmp, "run.steps=2", "logging.wandb=offline", "reward.on_error=zero")
-        cfg.reward.functions = {"tests.fault_rewards:nan_every_fifth": 1.0}
-        train(cfg)
+        cfg = make_cfg(tmp, "run.steps=2", "logging.wandb=offline", "reward.on_error=zero", "reward.num_workers=1",
+                       "reward.timeout_s=1")
+        cfg.reward.functions = {"tests.fault_rewards:nan_every_fifth": 1.0, "tests.fault_rewards:hangs_every_15th": 0.0}
+        train(cfg, on_step=lambda step, batch, learner: final.update(learner.full_state_dict()))
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    return cfg, fake
+    return cfg, fake, final
 
 
-def test_reward_nan_is_scored_zero_and_counted(nan_reward_run):
-    cfg, _ = nan_reward_run
+def test_reward_nan_or_hanging_is_scored_zero_and_counted(nan_reward_run):
+    cfg, _, _ = nan_reward_run
     got = rows(cfg)
     assert [r["train/step"] for r in got] == [1, 2]
-    assert got[-1]["rollout/reward_errors"] > 0
+    samples = 2 * cfg.rollout.batch_groups * cfg.rollout.n_samples
+    # NaN every 5th call, a hang (timed out after 1 s) every 15th; at least the trained samples were scored
+    assert got[-1]["rollout/reward_errors"] >= samples // 5 + samples // 15
     assert all(np.isfinite(r["rollout/reward_mean"]) for r in got)
 
 
+def test_run_checkpoint_loads_without_unpickling(nan_reward_run, monkeypatch):
+    """The run's checkpoint -- manifest, store, controller state and the learner's shards -- loads
+    with every way of unpickling patched to fail, and restores the learner's exact weights."""
+    import pickle
+
+    from async_april.store import RolloutStore
+    from learners.worker import LearnerWorker
+    from tests.test_learner import free_port
+
+    cfg, _, final = nan_reward_run
+
+    def refuse(*a, **k):
+        raise AssertionError("a checkpoint was unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    ck = CheckpointManager(cfg.run_dir).latest_valid()
+    assert ck.step == 2 and not list(ck.path.rglob("*.pkl")) and not list(ck.path.rglob("*.pt"))
+    store = RolloutStore(cfg, None)
+    store.load_state_dict(ck.store_state())
+    store.check_accounting()
+    assert len(store.trained) == 2 * cfg.rollout.batch_groups and ck.controller_state()["step"] == 2
+    model = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    worker = LearnerWorker(cfg, model, 0, 1, "127.0.0.1", free_port())
+    try:
+        assert worker.load_checkpoint(str(ck.learner_dir)) == {"step": 2, "version": 2}
+        got = worker.full_state_dict()
+    finally:
+        worker.shutdown()
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
+
+
 def test_api_keys_never_reach_the_run_directory(nan_reward_run):
-    cfg, fake = nan_reward_run
+    cfg, fake, _ = nan_reward_run
     files = [p for p in cfg.run_dir.rglob("*") if p.is_file()]
     assert any("offline-run" in str(p) for p in files), "W&B offline files were not written under the run dir"
     for p in files:
@@ -317,7 +340,6 @@ def test_sglang_server_down_mid_run_returns_samples_and_recovers(cluster, tmp_pa
     (once the server is back) loads the current weights and finishes the run."""
     import threading
 
-    from async_april.models.tiny import resolve_model_path
     from tests.sglang_standin import StandinServer
 
     cfg0 = make_cfg(tmp_path)

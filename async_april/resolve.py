@@ -1,0 +1,107 @@
+"""The one place that resolves a config against the world, shared by `check` and `train`.
+
+    resolve(cfg) -> Resolved
+      run dir      absolute (relative under `ray job submit` is an error), a directory we can
+                   write, not already used by another run unless run.resume / run.overwrite say so
+      resume       run.resume -> a verified checkpoint (or a fresh start for `auto` without one)
+      rewards      every name in reward.functions imported (this runs the user's module)
+      model        model.path -> a local directory (built for builtin:, via models/), its tokenizer,
+                   and a checkpoint being resumed must be of this model's shape
+      data         data.source read, columns mapped, prompts templated and tokenised (`check`: the
+                   first rows only), and every reward callable with this dataset's extra columns
+
+Everything here runs on the driver before Ray or any actor starts, cheapest checks
+first; every failure is a UserError (async_april/errors.py) naming the key, file
+or row and the fix. Nothing is written: `train` then prepares the run directory
+(async_april/rundir.py) and starts the run with what this returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from async_april import rundir
+from async_april.checkpointing import Checkpoint, check_model_fits, model_shape, resolve_resume
+from async_april.config import Config
+from async_april.data import PromptDataset, load_prompts
+from async_april.errors import ModelError
+from async_april.rewards import RewardFn, check_reward_signature, get_reward_fn
+
+CHECK_ROWS = 64
+"""Rows `async-april check` reads, maps and tokenises (`train` reads them all)."""
+
+
+@dataclass
+class Resolved:
+    cfg: Config
+    """The config with run.dir (and a run.resume path) made absolute: what every actor sees."""
+    run_dir: rundir.RunDirState
+    resume: Checkpoint | None
+    model_path: Path
+    model_shape: dict[str, Any]
+    tokenizer: Any
+    dataset: PromptDataset
+    rewards: dict[str, RewardFn] = field(default_factory=dict)
+
+    def describe(self) -> list[str]:
+        """What was resolved, one line each (printed by `check` and at the start of `train`)."""
+        d, ck = self.dataset, self.resume
+        kept = f"{len(d)} prompts" + (f" ({d.rejected_long} too long, {d.bad_rows} malformed skipped)"
+                                     if d.rejected_long or d.bad_rows else "")
+        m = self.model_shape
+        shape = f"{m.get('model_type')}, hidden {m.get('hidden_size')}, {m.get('num_hidden_layers')} layers, vocab {m.get('vocab_size')}"
+        return [
+            f"run dir {self.run_dir.path} ({'continuing it' if self.run_dir.used else 'new'})",
+            f"model {self.model_path} ({shape})",
+            f"data {self.cfg.data.source}: {kept}",
+            "rewards " + ", ".join(f"{n} x{w:g}" for n, w in self.cfg.reward.functions.items()),
+            f"resume from {ck.path} (step {ck.step}, policy version {ck.version})" if ck else
+            ("resume: no checkpoint yet, starting from step 0" if self.cfg.run.resume else "resume: no (fresh start)"),
+        ]
+
+
+def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
+    """Check `cfg` against the world (see the module docstring); `sample_rows` limits the data read."""
+    from async_april.models.tiny import resolve_model_path
+
+    run_dir = rundir.absolute_run_dir(cfg)
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.dir = str(run_dir)
+    state = rundir.inspect_run_dir(run_dir)
+    resume = resolve_resume(cfg, run_dir)
+    if resume is not None and cfg.run.resume != "auto":
+        cfg.run.resume = str(resume.path)
+    rundir.check_reuse(state, cfg)
+    rewards = {name: get_reward_fn(name) for name in cfg.reward.functions}
+    try:
+        model_path = Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir)).absolute()
+        shape = model_shape(model_path)
+    except (OSError, ValueError) as e:
+        raise ModelError(str(e) if str(e).startswith("model.path") else f"model.path {cfg.model.path!r}: {e}") from None
+    if resume is not None:
+        check_model_fits(resume, shape)
+    tokenizer = load_tokenizer(model_path, cfg.model.path)
+    dataset = load_prompts(cfg, tokenizer, limit=sample_rows)
+    for name, fn in rewards.items():
+        check_reward_signature(name, fn, dataset.rows[0].extra)
+    return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""One of these must be in a model directory: transformers 5 otherwise builds an empty tokenizer without a word."""
+
+
+def load_tokenizer(model_path: Path, spec: str):
+    from transformers import AutoTokenizer
+
+    hint = "a model directory needs its tokenizer files (tokenizer.json, or vocab files)"
+    if not any((model_path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelError(f"model.path {spec!r}: no usable tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}); {hint}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"model.path {spec!r}: no usable tokenizer in {model_path} ({first}); {hint}") from None
+    return tok
