@@ -139,8 +139,9 @@ class TrainingProgress:
 
 
 def run_summary(rows: list[dict[str, Any]], run_dir: Path, checkpoint: Path | None) -> str:
-    """One line at the end of a run: steps, wall time, reward first 10% -> last 20% of steps,
-    trained tokens/s, the run directory and the last checkpoint."""
+    """One line at the end of a run: steps, wall time (across resumes), mean reward of the first 10%
+    -> the last 20% of steps, trained tokens per second of step time, the run directory and the
+    last checkpoint."""
     if not rows:
         return f"no step finished | run dir {run_dir}"
     rewards = [r["rollout/reward_mean"] for r in rows if isinstance(r.get("rollout/reward_mean"), (int, float))]
@@ -148,11 +149,12 @@ def run_summary(rows: list[dict[str, Any]], run_dir: Path, checkpoint: Path | No
     tail = rewards[-max(1, math.ceil(len(rewards) * 0.2)):]
     wall = float(rows[-1].get("time/elapsed_s", 0.0))
     tokens = sum(r.get("rollout/tokens", 0) for r in rows)
+    step_s = sum(r.get("timing_s/step", 0.0) for r in rows)
     parts = [f"{int(rows[-1].get('train/step', len(rows)))} steps in {duration(wall)}"]
     if rewards:
         parts.append(f"reward {sum(head) / len(head):.3f} (first 10%) -> {sum(tail) / len(tail):.3f} (last 20%)")
-    if wall > 0:
-        parts.append(f"{tokens / wall:,.0f} trained tokens/s")
+    if step_s > 0:
+        parts.append(f"{tokens / step_s:,.0f} trained tokens/s")
     parts.append(f"run dir {run_dir}")
     parts.append(f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint")
     return " | ".join(parts)

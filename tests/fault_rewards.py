@@ -10,6 +10,7 @@ import time
 from async_april.rewards.reverse import reverse_match
 
 _calls = 0
+_first_call_done = False
 
 
 def fails_after_40(prompt: str, response: str, answer: str, **extra) -> float:
@@ -41,10 +42,10 @@ def ignores_its_timer(prompt: str, response: str, answer: str, **extra) -> float
     return 0.0
 
 
-def hangs_every_15th(prompt: str, response: str, answer: str, **extra) -> float:
-    """reverse_match, except every 15th call in this process never returns."""
-    global _calls
-    _calls += 1
-    if _calls % 15 == 0:
+def hangs_on_its_first_call(prompt: str, response: str, answer: str, **extra) -> float:
+    """1.0, except that the first call of this function in each process never returns."""
+    global _first_call_done
+    if not _first_call_done:
+        _first_call_done = True
         time.sleep(1e9)
-    return reverse_match(prompt=prompt, response=response, answer=answer)
+    return 1.0

@@ -42,8 +42,12 @@ def no_pickle(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a checkpoint was unpickled")
 
-    for name in ("load", "loads", "Unpickler"):
-        monkeypatch.setattr(pickle, name, refuse)
+    class Refused(pickle.Unpickler):
+        __init__ = refuse
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", Refused)
 
 
 def test_store_state_round_trips_without_pickle(tmp_path, no_pickle):

@@ -3,6 +3,8 @@ the APRIL preset's no-token-lost guarantee, and `ray job submit` against a local
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from async_april.checkpointing import CheckpointManager
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=32", "rollout.concurrency=16"]
@@ -47,8 +51,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sync_run_from_the_cli_with_wandb_offline(tmp_path):
-    proc, run_dir = train_cli(tmp_path, mode_config(tmp_path, "sync"), "run.steps=3", "logging.wandb=offline")
+@pytest.fixture(scope="module")
+def sync_cli_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sync")
+    config = mode_config(tmp, "sync")
+    proc, run_dir = train_cli(tmp, config, "run.steps=3", "logging.wandb=offline")
+    return proc, run_dir, config, tmp
+
+
+def test_sync_run_from_the_cli_with_wandb_offline(sync_cli_run):
+    proc, run_dir, _, _ = sync_cli_run
     rows = metrics(run_dir)
     assert [r["train/step"] for r in rows] == [1, 2, 3]
     assert [r["train/policy_version"] for r in rows] == [1, 2, 3]
@@ -58,8 +70,69 @@ def test_sync_run_from_the_cli_with_wandb_offline(tmp_path):
     assert all(r["rollout/tokens"] > 0 and 0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)
     saved = (run_dir / "config.yaml").read_text()
     assert "max_staleness: 0" in saved and "batch_groups: 4" in saved
-    assert "[3/3] reward" in proc.stdout  # the one-line console summary
+    # Not a terminal: exactly one line per step (with its ETA), then the summary and where things are.
+    assert [line.split(" reward ")[0] for line in proc.stdout.splitlines()] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert all(" | eta " in line for line in proc.stdout.splitlines())
+    assert f"run dir {run_dir} (new)" in proc.stderr
+    assert re.search(rf"3 steps in \S+ \| reward [\d.]+ \(first 10%\) -> [\d.]+ \(last 20%\) \| [\d,]+ trained tokens/s \| "
+                     rf"run dir {run_dir} \| last checkpoint {run_dir}/checkpoints/step_00000003", proc.stderr)
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_second_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(sync_cli_run):
+    _, run_dir, config, tmp = sync_cli_run
+    before = snapshot(run_dir)
+    proc = subprocess.run(
+        [sys.executable, "-m", "async_april.cli", "train", str(config), f"run.dir={run_dir}", *SMALL, "run.steps=3"],
+        cwd=REPO, env=cli_env(tmp), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(rf"^error: run.dir {run_dir} already holds a run \(metrics.jsonl has 3 row\(s\); checkpoint "
+                     r"step_00000003\); nothing was changed. Continue it with run.resume=auto, start another with a new "
+                     r"run.name \(or run.dir\), or replace it with run.overwrite=true", proc.stderr, re.M), proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr
+    assert snapshot(run_dir) == before, "the refused run touched the old run's files"
+
+
+@pytest.fixture(scope="module")
+def async_run_stopped_by_sigterm(tmp_path_factory):
+    """The async preset (eta 1) from the real CLI; SIGTERM once step 5 is logged; then a second
+    process continues it with `run.resume=auto` for two more steps."""
+    tmp = tmp_path_factory.mktemp("async")
+    run_dir, config = tmp / "run", mode_config(tmp, "async")
+    cmd = [sys.executable, "-m", "async_april.cli", "train", str(config), f"run.dir={run_dir}", *SMALL,
+           "async.max_staleness=1", "run.steps=40"]
+    with open(tmp / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(tmp), stdout=subprocess.PIPE, stderr=err, text=True)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[5/40]"):
+                proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    stderr = (tmp / "stderr.txt").read_text()
+    stop = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+); continue with the same command plus "
+                     r"run.resume=auto", stderr)
+    assert rc == 128 + signal.SIGTERM and stop and "Traceback" not in stderr, stderr[-3000:]
+    k, ckpt = int(stop.group(1)), Path(stop.group(2))
+    resumed, _ = train_cli(tmp, config, "async.max_staleness=1", "run.resume=auto", f"run.steps={k + 2}")
+    return dict(run_dir=run_dir, lines=lines, k=k, ckpt=ckpt, resumed=resumed)
+
+
+def test_sigterm_mid_run_saves_a_checkpoint_that_resumes(async_run_stopped_by_sigterm):
+    """A real `async-april train` process gets SIGTERM: it finishes the step, saves a checkpoint,
+    stops, names the checkpoint and how to resume, and exits 143; `run.resume=auto` then continues
+    from it, leaving one metrics row per step."""
+    r = async_run_stopped_by_sigterm
+    run_dir, k, ckpt = r["run_dir"], r["k"], r["ckpt"]
+    assert 5 <= k < 40 and ckpt == run_dir / "checkpoints" / f"step_{k:08d}"
+    assert [line.split()[0] for line in r["lines"]] == [f"[{s}/40]" for s in range(1, k + 1)]
+    assert r["resumed"].stdout.splitlines()[0].startswith(f"[{k + 1}/{k + 2}]")
+    assert f"resume from {ckpt} (step {k}" in r["resumed"].stderr
+    assert [row["train/step"] for row in metrics(run_dir)] == list(range(1, k + 3))
 
 
 def test_april_preset_resumes_and_trains_every_aborted_token(tmp_path):
@@ -76,9 +149,8 @@ def test_april_preset_resumes_and_trains_every_aborted_token(tmp_path):
 
 
 
-def test_async_preset_never_exceeds_eta(tmp_path):
-    _, run_dir = train_cli(tmp_path, mode_config(tmp_path, "async"), "run.steps=5", "async.max_staleness=1")
-    rows = metrics(run_dir)
+def test_async_preset_never_exceeds_eta(async_run_stopped_by_sigterm):
+    rows = metrics(async_run_stopped_by_sigterm["run_dir"])
     assert max(r["staleness/max"] for r in rows) <= 1
     assert any(r["staleness/max"] == 1 for r in rows), "generation never ran ahead of the learner"
 
@@ -115,17 +187,26 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
                 time.sleep(1)
         time.sleep(3)
         runtime_env = json.dumps({"working_dir": str(REPO), "excludes": [".git", ".venv", "runs", "benchmarks/results"]})
-        cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", address,
-               "--runtime-env-json", runtime_env, "--",
-               "python", "-m", "async_april.train", "configs/tiny_cpu.yaml", f"run.dir={tmp_path}/jobrun", "run.steps=2", *SMALL]
-        for _ in range(30):  # the dashboard answers before its job agent registers (slower on a loaded machine)
-            submit = subprocess.run(cmd, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=400)
-            out = submit.stdout + submit.stderr
-            if "No available agent" not in out:
-                break
-            time.sleep(3)
-        assert submit.returncode == 0 and "succeeded" in out, out[-5000:]
-        assert "[2/2] reward" in out
+
+        def submit(*args: str) -> tuple[int, str]:
+            cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", address,
+                   "--runtime-env-json", runtime_env, "--", "python", "-m", "async_april.train", "configs/tiny_cpu.yaml",
+                   "run.steps=2", *SMALL, *args]
+            for _ in range(30):  # the dashboard answers before its job agent registers (slower on a loaded machine)
+                done = subprocess.run(cmd, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=400)
+                out = done.stdout + done.stderr
+                if "No available agent" not in out:
+                    break
+                time.sleep(3)
+            return done.returncode, out
+
+        # The default run.dir is relative: under a job it would land in Ray's temporary working_dir copy.
+        rc, out = submit()
+        assert rc != 0 and "error: run.dir='runs/${name}' is relative, and under `ray job submit`" in out, out[-5000:]
+        assert "Traceback" not in out
+        rc, out = submit(f"run.dir={tmp_path}/jobrun")
+        assert rc == 0 and "succeeded" in out, out[-5000:]
+        assert "[2/2] reward" in out and f"run dir {tmp_path}/jobrun (new)" in out
         assert len(metrics(tmp_path / "jobrun")) == 2
     finally:
         _stop_our_cluster(head, temp_dir)
