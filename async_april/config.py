@@ -97,7 +97,7 @@ class RewardConfig(Section):
     num_workers: int = Field(0, ge=0, le=256)
     """Processes that score rewards off the generation loop; 0 scores in the actor (fine for cheap rewards)."""
     timeout_s: float | None = Field(None, gt=0.0, le=86400.0)
-    """Longest one reward function may take on one response; past it the response is scored per `on_error` and its worker process is stopped. Needs `num_workers` >= 1 (a call in the actor's own thread cannot be stopped). None: no limit."""
+    """Longest one reward function may take on one response; past it the call is interrupted in its worker process (killed if it cannot be) and the response scored per `on_error`. Needs `num_workers` >= 1 (a call in the actor's own thread cannot be stopped). None: no limit."""
 
     @model_validator(mode="after")
     def _check_functions(self) -> "RewardConfig":
@@ -325,6 +325,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         key = key.replace("async_", "async")
         if e["type"] == "extra_forbidden":
             parts.append(f"{key}: unknown key (value {e['input']!r}); check the spelling against docs/configuration.md")
+        elif e["type"] == "value_error":  # a check across keys: its message names them
+            parts.append(e["msg"].removeprefix("Value error, "))
         else:
             parts.append(f"{key}: {e['msg']} (got {e['input']!r})")
     return f"invalid config ({source}): " + "; ".join(parts)

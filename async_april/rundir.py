@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_april.config import Config
+from async_april.console import plural
 from async_april.errors import RunDirError
 
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
@@ -55,7 +56,7 @@ def absolute_run_dir(cfg: Config) -> Path:
             raise RunDirError(
                 f"run.dir={cfg.run.dir!r} is relative, and under `ray job submit` it would land in Ray's temporary "
                 f"copy of the working directory ({os.getcwd()}), which Ray deletes with the session; set run.dir "
-                "to an absolute path on storage every node sees, e.g. run.dir=/shared/runs/${{name}}")
+                "to an absolute path on storage every node sees, e.g. run.dir=/shared/runs/${name}")
         path = Path.cwd() / path
     return Path(os.path.normpath(path))
 
@@ -77,7 +78,7 @@ def inspect_run_dir(path: Path) -> RunDirState:
         return state
     metrics = path / "metrics.jsonl"
     if metrics.is_file() and (rows := sum(1 for line in metrics.read_text(errors="replace").splitlines() if line.strip())):
-        state.used.append(f"metrics.jsonl has {rows} row(s)")
+        state.used.append(f"metrics.jsonl has {plural(rows, 'row')}")
     ckpts = sorted(p.name for p in (path / "checkpoints").glob("step_*")) if (path / "checkpoints").is_dir() else []
     if ckpts:
         state.used.append(f"checkpoints {ckpts[0]}..{ckpts[-1]}" if len(ckpts) > 1 else f"checkpoint {ckpts[0]}")
@@ -92,8 +93,9 @@ def inspect_run_dir(path: Path) -> RunDirState:
 def check_reuse(state: RunDirState, cfg: Config) -> None:
     """RunDirError when a used directory would be reused without run.resume or run.overwrite."""
     if state.used and cfg.run.resume is None and not cfg.run.overwrite:
+        what = "is not empty" if all(u.startswith("files no run") for u in state.used) else "already holds a run"
         raise RunDirError(
-            f"run.dir {state.path} already holds a run ({'; '.join(state.used)}); nothing was changed. Continue it "
+            f"run.dir {state.path} {what} ({'; '.join(state.used)}); nothing was changed. Continue it "
             "with run.resume=auto, start another with a new run.name (or run.dir), or replace it with "
             "run.overwrite=true (its contents move to <run.dir>.old-<time>)")
 

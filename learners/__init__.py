@@ -5,7 +5,7 @@
     worker.py       LearnerWorker: one rank (plain class; runs with or without Ray)
     group.py        LearnerGroup: one Ray actor per rank in a placement group
     weight_sync.py  bucketize, transports (object store, disk, nccl), WeightSyncer
-    checkpoint.py   DCP model + optimizer shards, per-rank scheduler / RNG / version
+    checkpoint.py   per-rank model + optimizer shards (safetensors + JSON, no pickle), resharded on load
 
 Imports are lazy so `import learners` pulls in neither torch nor Ray.
 """

@@ -141,8 +141,8 @@ CASES = [
     ("run-dir-is-a-file", lambda t: ["CFG", f"run.dir={write(t / 'f', 'x')}"], r"run\.dir .*/f is a file, not a directory"),
     ("run-dir-not-writable", lambda t: ["CFG", "run.dir=/proc/async-april-test/run"], r"run\.dir /proc/async-april-test/run is not writable"),
     ("run-dir-used", lambda t: ["CFG", f"run.dir={used_run_dir(t)}"],
-     r"already holds a run \(metrics\.jsonl has 1 row\(s\)\); nothing was changed\. Continue it with run\.resume=auto.*run\.name.*run\.overwrite=true"),
-    ("run-dir-holds-other-files", lambda t: ["CFG", f"run.dir={write(t / 'mine' / 'notes.txt', 'x').parent}"], r"files no run writes: notes\.txt"),
+     r"already holds a run \(metrics\.jsonl has 1 row\); nothing was changed\. Continue it with run\.resume=auto.*run\.name.*run\.overwrite=true"),
+    ("run-dir-holds-other-files", lambda t: ["CFG", f"run.dir={write(t / 'mine' / 'notes.txt', 'x').parent}"], r"is not empty \(files no run writes: notes\.txt\); nothing was changed"),
     ("run-dir-relative-under-ray-job", lambda t: ["CFG", "run.dir=runs/x", "ENV:RAY_JOB_CONFIG_JSON_ENV_VAR={}"],
      r"run\.dir='runs/x' is relative, and under `ray job submit` it would land in Ray's temporary copy"),
 ]

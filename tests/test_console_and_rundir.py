@@ -83,7 +83,7 @@ def cfg_for(tmp_path, *over):
     ({}, []),
     ({"config.yaml": "run: {}"}, []),  # a run that failed before its first step
     ({"config.yaml": "run: {}", "metrics.jsonl": "", "wandb/debug.log": "x", "checkpoints/.tmp-step_00000001/x": "x"}, []),
-    ({"metrics.jsonl": '{"train/step": 1}\n'}, ["metrics.jsonl has 1 row(s)"]),
+    ({"metrics.jsonl": '{"train/step": 1}\n'}, ["metrics.jsonl has 1 row"]),
     ({"checkpoints/step_00000002/manifest.json": "{}"}, ["checkpoint step_00000002"]),
     ({"notes.txt": "mine"}, ["files no run writes: notes.txt"]),
 ], ids=["empty", "config-only", "failed-before-step-1", "metrics", "checkpoint", "foreign-files"])
@@ -96,7 +96,7 @@ def test_what_counts_as_a_used_run_dir(tmp_path, contents, used):
     state = rundir.inspect_run_dir(d)
     assert state.used == used
     if used:
-        with pytest.raises(RunDirError, match="already holds a run"):
+        with pytest.raises(RunDirError, match="nothing was changed. Continue it with run.resume=auto"):
             rundir.check_reuse(state, cfg_for(tmp_path))
         rundir.check_reuse(state, cfg_for(tmp_path, "run.resume=auto"))
     else:

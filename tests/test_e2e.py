@@ -90,7 +90,7 @@ def test_a_second_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(syn
         [sys.executable, "-m", "async_april.cli", "train", str(config), f"run.dir={run_dir}", *SMALL, "run.steps=3"],
         cwd=REPO, env=cli_env(tmp), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert re.search(rf"^error: run.dir {run_dir} already holds a run \(metrics.jsonl has 3 row\(s\); checkpoint "
+    assert re.search(rf"^error: run.dir {run_dir} already holds a run \(metrics.jsonl has 3 rows; checkpoint "
                      r"step_00000003\); nothing was changed. Continue it with run.resume=auto, start another with a new "
                      r"run.name \(or run.dir\), or replace it with run.overwrite=true", proc.stderr, re.M), proc.stderr
     assert "Started a local Ray instance" not in proc.stderr

@@ -102,6 +102,35 @@ def test_killed_generation_actor_is_replaced_and_nothing_is_lost(cluster, tmp_pa
     assert all(r["staleness/max"] <= cfg.async_.max_staleness for r in rows(cfg))
 
 
+# --------------------------------------------------------------------------- a signal while waiting
+def test_a_signal_while_waiting_for_a_batch_abandons_the_wait_and_loses_nothing(cluster, tmp_path):
+    """SIGINT/SIGTERM while the controller waits for a batch: the wait is cancelled without the store
+    moving anything to `trained`, and the store keeps serving (what `run.resume` will find)."""
+    import ray
+
+    from actors.pool import ActorPool
+    from async_april.data import PromptDataset, PromptRow
+    from async_april.store import RolloutStoreActor
+
+    cfg = make_cfg(tmp_path, "rollout.batch_groups=2", "rollout.n_samples=2", "async.max_staleness=0",
+                   "rollout.over_provision=1")
+    rows = [PromptRow(prompt=str(i), answer=str(i), prompt_ids=np.array([1, 4 + i])) for i in range(8)]
+    store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, PromptDataset(rows=rows, seed=0))
+    pool = ActorPool(cfg, store, "unused")  # no generation actors: only a stop can end this wait
+    t0 = time.monotonic()
+    assert pool.wait_for_batch(poll_s=0.1, stop=lambda: time.monotonic() - t0 > 0.5) is None
+    assert time.monotonic() - t0 < 5
+    work = ray.get(store.lease_async.remote("a", 4, 0))
+    for s in work:
+        s.extend(np.arange(2), -np.ones(2), np.zeros(2, np.int64), "stop")
+        s.reward = 1.0
+    ray.get(store.push_async.remote("a", work))
+    assert ray.get(store.call.remote("accounting"))["trained"] == []  # the cancelled wait took nothing
+    batch = pool.wait_for_batch(poll_s=0.1, stop=lambda: True)  # ready before the stop is looked at
+    assert sorted(g.prompt_index for g in batch) == [0, 1]
+    ray.get(store.call.remote("check_accounting"))
+
+
 # --------------------------------------------------------------------------- resume: sync
 @pytest.mark.slow
 def test_sync_resume_from_step_k_equals_the_uninterrupted_run(cluster, tmp_path):
