@@ -42,11 +42,11 @@ class SimulatedLearner:
         from pathlib import Path
 
         Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "simulated_learner.json").write_text(json.dumps({"version": self._version}))
+        (Path(path) / "learner.json").write_text(json.dumps({"version": self._version}))
 
     def load_checkpoint(self, path: str) -> dict[str, int]:
         import json
         from pathlib import Path
 
-        self._version = json.loads((Path(path) / "simulated_learner.json").read_text())["version"]
+        self._version = json.loads((Path(path) / "learner.json").read_text())["version"]
         return {"version": self._version}

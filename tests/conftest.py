@@ -10,3 +10,19 @@ def ray_cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def no_pickle(monkeypatch):
+    """Any unpickling in this process fails the test (checkpoints must load without running code)."""
+    import pickle
+
+    def refuse(*a, **k):
+        raise AssertionError("something was unpickled")
+
+    class Refused(pickle.Unpickler):  # a class, so that modules subclassing pickle.Unpickler still import
+        __init__ = refuse
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", Refused)

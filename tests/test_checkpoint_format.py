@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 from collections import Counter, deque
 from pathlib import Path
 
@@ -34,20 +33,6 @@ def save_steps(root: Path, steps, keep: int = 5, **kw) -> CheckpointManager:
     for step in steps:
         mgr.save(step, step, FakeLearner(), {"cursor": step}, {"step": step}, None, "h", {"hidden_size": 8})
     return mgr
-
-
-@pytest.fixture
-def no_pickle(monkeypatch):
-    """Any unpickling in this process fails the test."""
-    def refuse(*a, **k):
-        raise AssertionError("a checkpoint was unpickled")
-
-    class Refused(pickle.Unpickler):
-        __init__ = refuse
-
-    monkeypatch.setattr(pickle, "load", refuse)
-    monkeypatch.setattr(pickle, "loads", refuse)
-    monkeypatch.setattr(pickle, "Unpickler", Refused)
 
 
 def test_store_state_round_trips_without_pickle(tmp_path, no_pickle):

@@ -288,11 +288,9 @@ def test_reward_nan_or_hanging_is_scored_zero_and_counted(nan_reward_run):
     assert all(np.isfinite(r["rollout/reward_mean"]) for r in got)
 
 
-def test_run_checkpoint_loads_without_unpickling(nan_reward_run, monkeypatch):
+def test_run_checkpoint_loads_without_unpickling(nan_reward_run, no_pickle):
     """The run's checkpoint -- manifest, store, controller state and the learner's shards -- loads
     with every way of unpickling patched to fail, and restores the learner's exact weights."""
-    import pickle
-
     from async_april.store import RolloutStore
     from learners.worker import LearnerWorker
     from tests.test_learner import free_port
@@ -300,16 +298,6 @@ def test_run_checkpoint_loads_without_unpickling(nan_reward_run, monkeypatch):
     cfg, _, final = nan_reward_run
     model = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     worker = LearnerWorker(cfg, model, 0, 1, "127.0.0.1", free_port())
-
-    def refuse(*a, **k):
-        raise AssertionError("a checkpoint was unpickled")
-
-    class Refused(pickle.Unpickler):
-        __init__ = refuse
-
-    monkeypatch.setattr(pickle, "load", refuse)
-    monkeypatch.setattr(pickle, "loads", refuse)
-    monkeypatch.setattr(pickle, "Unpickler", Refused)
     ck = CheckpointManager(cfg.run_dir).latest_valid()
     assert ck.step == 2 and not list(ck.path.rglob("*.pkl")) and not list(ck.path.rglob("*.pt"))
     store = RolloutStore(cfg, None)
