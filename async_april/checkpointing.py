@@ -133,11 +133,15 @@ def _files(root: Path) -> list[Path]:
 def fsync_tree(root: Path) -> None:
     """fsync every file and directory under `root` (and `root`): their data and names are on disk."""
     for p in sorted(root.rglob("*"), key=lambda p: -len(p.parts)) + [root]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(p)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CheckpointManager:
@@ -177,7 +181,7 @@ class CheckpointManager:
         if final.exists():  # a resumed run re-reaching a step it had saved before the crash
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_dir(self.root)  # the rename itself is durable
+        _fsync(self.root)  # the rename itself is durable
         self.rotate(keep_path=final)
         log.info("checkpoint %s written in %.2fs", final, time.perf_counter() - t0)
         return final
@@ -253,14 +257,6 @@ def read_manifest(path: Path) -> Manifest:
     if missing:
         raise CheckpointError(f"{path}: {MANIFEST} does not list {', '.join(missing)} (incomplete checkpoint)")
     return manifest
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def resolve_resume(cfg: Config, run_dir: Path | None = None) -> Checkpoint | None:

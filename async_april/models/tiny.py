@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from async_april.console import say, stage
 from async_april.rewards.reverse import reverse_match
 from async_april.tasks.reverse import LENGTH_BUCKETS, LENGTH_PROBS, sample_reverse_rows
 
@@ -218,8 +219,6 @@ def _sft_step(model, tok, rows: list[dict], micro_batches: int) -> torch.Tensor:
 
 def warm_start(model, tok, settings: TinyBuildSettings, seed: int) -> float:
     """Teacher-forced SFT on reversal rows from the build's own seed stream; returns the last loss."""
-    from async_april.console import stage
-
     rng = np.random.default_rng([seed, _SFT_STREAM])
     opt = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr)
     model.train()
@@ -348,8 +347,7 @@ def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, forc
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
         try:
-            print(f"[tiny-reverse] building {target} (seed {seed}, {settings.sft_steps} SFT steps)",
-                  flush=True)
+            say(f"building the tiny model into {target} (seed {seed}, {settings.sft_steps} SFT steps; once, ~35 s)")
             build_tiny_model(tmp, seed, settings)
             (tmp / MARKER).write_text("ok\n")
             if target.exists():  # stale, incomplete or forced: move it aside first
