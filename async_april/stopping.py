@@ -5,11 +5,14 @@
         ... if stop.requested(): save a checkpoint and leave the loop
     raise Interrupted(...)              # the CLI prints its one line and exits 128 + signal (130, 143)
 
-The first signal only sets a flag: the current learner step, if one is running,
-finishes (an FSDP step cannot be cut in half), then the controller saves a
-checkpoint, stops the actors and shuts Ray down. A second Ctrl-C aborts at once
-(KeyboardInterrupt, no checkpoint); further SIGTERMs are ignored, since `ray job
-stop` follows its SIGTERM with SIGKILL after RAY_JOB_STOP_WAIT_TIME_S anyway.
+Until the step loop `arm()`s it, a signal stops the start-up at once (there is
+nothing to save yet; an SGLang server can take minutes to start). Once armed,
+the first signal only sets a flag: the current learner step, if one is
+running, finishes (an FSDP step cannot be cut in half), then the controller
+saves a checkpoint, stops the actors and shuts Ray down. A second Ctrl-C aborts
+at once (KeyboardInterrupt, no checkpoint); further SIGTERMs are ignored, since
+`ray job stop` follows its SIGTERM with SIGKILL after RAY_JOB_STOP_WAIT_TIME_S
+anyway.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class Interrupted(Exception):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         name = signal.Signals(signum).name
         if checkpoint is None:
-            msg = f"stopped by {name} before step 1 finished; nothing to resume, run the same command again"
+            msg = f"stopped by {name} before a step finished; nothing new to save, run the same command again"
         else:
             msg = (f"stopped by {name} after step {step}; checkpoint {checkpoint}; "
                    "continue with the same command plus run.resume=auto")
@@ -46,12 +49,20 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.armed = False
         self._previous: dict[int, object] = {}
 
     def requested(self) -> bool:
         return self.signum is not None
 
+    def arm(self) -> None:
+        """From now on a signal waits for the step boundary (called when the step loop starts)."""
+        self.armed = True
+
     def _handle(self, signum: int, frame) -> None:
+        if not self.armed:
+            self.signum = signum
+            raise Interrupted(signum, 0, None)
         if self.signum is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C: abort now, without a checkpoint

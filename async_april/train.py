@@ -64,21 +64,21 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     (run_dir / "config.yaml").write_text(redact((run_dir / "config.yaml").read_text()))
     for line in r.describe():
         say(line)
-    started_ray = init_ray(cfg)
     same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
-    tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
-                      elapsed_s=resume.controller_state().get("time/elapsed_s", 0.0) if resume else 0.0,
-                      wandb_run_id=resume.manifest.wandb_run_id if same_run else None)
-    stop = GracefulStop()
+    started_ray, tracker, stop = init_ray(cfg), None, GracefulStop()
     try:
+        tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
+                          elapsed_s=resume.controller_state().get("time/elapsed_s", 0.0) if resume else 0.0,
+                          wandb_run_id=resume.manifest.wandb_run_id if same_run else None)
         with stop:
             run = run_loop(cfg, r, tracker, stop, on_step, learner_factory)
     finally:
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
         if started_ray:
             ray.shutdown()
     say(tracker.summary(run.last_checkpoint))
-    if stop.signum is not None:
+    if stop.signum is not None and run.step < cfg.run.steps:
         raise Interrupted(stop.signum, run.step, run.last_checkpoint)
     return run_dir
 
@@ -114,6 +114,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
         ray.get(store.call.remote("set_version", learner.version))
         pool.start_loops()
         last = pool.totals()
+        stop.arm()
         for step in range(run.step + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
             groups = pool.wait_for_batch(stop=stop.requested)

@@ -122,3 +122,27 @@ def test_relative_run_dir_is_absolute_here_and_an_error_under_a_ray_job(tmp_path
     with pytest.raises(RunDirError, match="under `ray job submit`.*set run.dir to an absolute path on storage every node sees"):
         rundir.absolute_run_dir(cfg)
     assert rundir.absolute_run_dir(load_config(None, [f"run.dir={tmp_path}/abs"])) == tmp_path / "abs"
+
+
+def test_signals_stop_start_up_at_once_and_the_step_loop_at_a_step_boundary(capsys):
+    import os
+    import signal
+
+    from async_april.stopping import GracefulStop, Interrupted
+
+    with pytest.raises(Interrupted, match="stopped by SIGTERM before a step finished; nothing new to save") as e:
+        with GracefulStop():
+            os.kill(os.getpid(), signal.SIGTERM)  # still starting: nothing to wait for
+    assert e.value.exit_code == 143
+    with GracefulStop() as stop:
+        stop.arm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested() and stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # `ray job stop` may repeat itself: ignored
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C aborts
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # handlers restored
+    assert "SIGTERM: stopping after the current step and saving a checkpoint" in capsys.readouterr().err
+    msg = str(Interrupted(signal.SIGINT, 7, Path("/r/checkpoints/step_00000007")))
+    assert msg == ("stopped by SIGINT after step 7; checkpoint /r/checkpoints/step_00000007; "
+                   "continue with the same command plus run.resume=auto")
