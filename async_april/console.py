@@ -111,15 +111,23 @@ class TrainingProgress:
 
     def __init__(self, total_steps: int, done_steps: int, console_every: int = 1):
         self.total, self.done_at_start, self.every = total_steps, done_steps, console_every
+        self._t0: float | None = None
+        self._bar = None
+
+    def start(self) -> None:
+        """The clock (and the bar) start with the first step, so that start-up time does not skew the ETA."""
         self._t0 = time.perf_counter()
-        self._bar = (tqdm(total=total_steps, initial=done_steps, desc="train", unit="step", file=sys.stderr,
-                          dynamic_ncols=True) if interactive() else None)
+        if interactive():
+            self._bar = tqdm(total=self.total, initial=self.done_at_start, desc="train", unit="step", file=sys.stderr,
+                             dynamic_ncols=True)
 
     def eta_s(self, step: int) -> float:
         done = step - self.done_at_start
         return (time.perf_counter() - self._t0) / done * (self.total - step) if done > 0 else math.inf
 
     def step(self, row: dict[str, Any]) -> None:
+        if self._t0 is None:
+            self.start()
         step = int(row.get("train/step", 0))
         line = f"{step_line(row, self.total)} | eta {duration(self.eta_s(step))}"
         show = step % self.every == 0 or step == self.total

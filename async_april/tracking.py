@@ -133,6 +133,10 @@ class Tracker:
         run.define_metric("*", step_metric="train/step")
         return run
 
+    def start(self) -> None:
+        """The step loop begins: the console's ETA clock starts now."""
+        self.console.start()
+
     def log(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Write one step's row everywhere; returns it (with `time/elapsed_s`)."""
         row = {k: _jsonable(v) for k, v in metrics.items()}

@@ -115,6 +115,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
         pool.start_loops()
         last = pool.totals()
         stop.arm()
+        tracker.start()
         for step in range(run.step + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
             groups = pool.wait_for_batch(stop=stop.requested)
