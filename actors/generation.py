@@ -33,6 +33,21 @@ FLUSH_S = 0.05
 otherwise pushes at most this long after its previous push."""
 
 
+def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
+    """Every token that ends a response: the model's generation-config EOS set (a list for Qwen3:
+    <|im_end|> and <|endoftext|>) plus the tokenizer's EOS, as the model's own `generate` stops."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(t) for t in ids))
+
+
 def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True) -> int:
     """Per-request seed: reproducible whatever else shares the batch, new for each resume
     (or, with resumable=False, one per response: its identity across resumes)."""
@@ -48,11 +63,15 @@ class GenerationActor:
         from actors.engines import make_engine
         from async_april.rewards.scoring import RewardScorer
 
+        from async_april.hub import model_path_on_this_node
+
         torch.set_num_threads(1)
         self.cfg = cfg
         self.actor_id = actor_id
         self.store = store
+        model_path = str(model_path_on_this_node(cfg.model, model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.stop_token_ids = stop_token_ids(model_path, self.tokenizer)
         self.engine = engine if engine is not None else make_engine(cfg, model_path)
         self.scorer = RewardScorer(cfg.reward)
         self.inflight: dict[str, asyncio.Task] = {}
@@ -117,7 +136,7 @@ class GenerationActor:
                     temperature=r.temperature,
                     top_p=r.top_p,
                     top_k=r.top_k,
-                    stop_token_ids=(self.tokenizer.eos_token_id,),
+                    stop_token_ids=self.stop_token_ids,
                     seed=sampling_seed(self.cfg.run.seed, sample),
                 ),
             )
@@ -173,6 +192,8 @@ class GenerationActor:
         learners/weight_sync.py), one bucket at a time. Returns seconds spent."""
         from learners.weight_sync import iter_buckets
 
+        if isinstance(payload, str) and getattr(self.engine, "weight_update_mode", None) == "disk":
+            return await self._load(lambda: self.engine.update_weights_from_disk(payload, version))  # the server reads the files
         return await self._load(lambda: self.engine.update_weights(iter_buckets(payload), version))
 
     async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:
@@ -185,14 +206,8 @@ class GenerationActor:
     async def update_weights_from_distributed(self, plan, version: int) -> float:
         """NCCL transport: announce each bucket (names, dtypes, shapes) while learner rank 0 broadcasts it."""
 
-        async def load() -> None:
-            for i, bucket in enumerate(plan):
-                last = i == len(plan) - 1
-                await self.engine.update_weights_from_distributed(
-                    [s.name for s in bucket], [s.dtype for s in bucket], [list(s.shape) for s in bucket], version if last else None
-                )
-
-        return await self._load(load)
+        announced = [([s.name for s in b], [s.dtype for s in b], [list(s.shape) for s in b]) for b in plan]
+        return await self._load(lambda: self.engine.update_weights_from_distributed(announced, version))
 
     async def _load(self, load) -> float:
         """Interrupt or drain per config, load, reopen leasing."""

@@ -86,11 +86,17 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         import yaml
 
         from async_april.console import say
-        from async_april.resolve import CHECK_ROWS, resolve
+        from async_april.resolve import CHECK_ROWS, check_gpu_resources, cluster_gpus_if_reachable, gpus_needed, resolve
 
         r = resolve(cfg, sample_rows=CHECK_ROWS)
         for line in r.describe():
             say(line)
+        gpus = cluster_gpus_if_reachable(cfg)
+        if gpus is None:
+            say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")
+        else:
+            check_gpu_resources(cfg, gpus)
+            say(f"resources: {gpus_needed(cfg):g} GPUs reserved of the cluster's {gpus:g}")
         print(yaml.safe_dump(r.cfg.to_yaml_dict(), sort_keys=False))
         say(f"ok: {args.config} resolves (data: first {CHECK_ROWS} rows checked)")
         return 0

@@ -109,6 +109,49 @@ class RewardConfig(Section):
         return self
 
 
+class SGLangConfig(Section):
+    """How each generation actor runs (or reaches) its SGLang server; see docs/engines.md."""
+
+    url: str | None = None
+    """URL of a running server to attach to (one actor per server); None: each actor launches its own server on loopback."""
+    tp_size: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of each server (`--tp-size`); `rollout.gpus_per_actor` must cover it. Weight payloads and the NCCL group count one rank per TP rank."""
+    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    """GPU memory fraction SGLang reserves for weights and KV cache (`--mem-fraction-static`); ~0.4 when the learner shares the GPU. None: SGLang's default."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `sglang.launch_server` flags, e.g. ["--attention-backend", "fa3"]. Flags this section sets itself are refused here."""
+    port_range: tuple[int, int] = (30000, 30999)
+    """Ports a launched server may take: each actor takes a free one of its own (held by a lock file, so actors on one node never share one)."""
+    deterministic: bool = True
+    """Per-request sampling seeds (reproducible samples): launch with `--enable-deterministic-inference`, without which SGLang ignores `sampling_seed`. False: no seeds are sent (faster kernels)."""
+    launch_module: str = "sglang.launch_server"
+    """Python module run as the server (`python -m MODULE --model-path ... --port ...`); a wrapper of your own, or the tests' stand-in."""
+    startup_timeout_s: float = Field(900.0, gt=0.0)
+    """Longest wait for a server's `/health` to answer 200 (loading a large model and capturing CUDA graphs takes minutes)."""
+    request_timeout_s: float = Field(3600.0, gt=0.0)
+    """Longest wait for one request before it counts as failed."""
+    retries: int = Field(5, ge=0)
+    """Retries with exponential backoff on connection errors before a clear error (never for `/generate`: a resend would sample a second response)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "SGLangConfig":
+        lo, hi = self.port_range
+        if not 1024 <= lo <= hi <= 65535:
+            raise ValueError(f"rollout.sglang.port_range {list(self.port_range)} must be [low, high] with 1024 <= low <= high <= 65535")
+        owned = {"--model-path", "--host", "--port", "--tp-size", "--tp", "--mem-fraction-static", "--weight-version",
+                 "--enable-deterministic-inference", "--skip-tokenizer-init"}
+        for arg in self.extra_args:
+            if arg.split("=", 1)[0] in owned:
+                raise ValueError(f"rollout.sglang.extra_args sets {arg.split('=', 1)[0]}, which async-april sets itself; "
+                                 "use the rollout.sglang key for it (tp_size, mem_fraction_static, deterministic, port_range) instead")
+        return self
+
+
+MOVED_ROLLOUT_KEYS = {"sglang_url": "rollout.sglang.url", "request_timeout_s": "rollout.sglang.request_timeout_s",
+                      "retries": "rollout.sglang.retries"}
+"""Flat SGLang keys of earlier versions and where they live now."""
+
+
 class RolloutConfig(Section):
     engine: Literal["torch", "sglang", "simulated"] = "torch"
     """Generation backend; see docs/engines.md."""
@@ -140,18 +183,31 @@ class RolloutConfig(Section):
     """On new weights: abort in-flight requests and resume them with the new weights, or finish them first."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (counted) and replace them with new prompts."""
-    sglang_url: str | None = None
-    """SGLang engine: URL of a running server; None launches one on loopback."""
-    request_timeout_s: float = Field(3600.0, gt=0.0)
-    """SGLang engine: longest wait for one request before it counts as failed."""
-    retries: int = Field(5, ge=0)
-    """SGLang engine: retries with exponential backoff on connection errors before a clear error."""
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    """SGLang engine settings (ignored by the other engines)."""
     max_actor_restarts: int = Field(3, ge=0)
     """Times a dead generation actor is restarted (its leases go back to the store first); beyond that the run continues on the others."""
     simulated_lengths: str = "lognormal"
     """Simulated engine: response-length distribution (`lognormal`, `april`, `copris`, or a histogram file)."""
     simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
     """Simulated engine: real seconds per simulated second (0.01 runs 100x faster than the modelled GPU)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED_ROLLOUT_KEYS.items():
+                if old in data:
+                    raise ValueError(f"rollout.{old} has moved: set {new} instead")
+        return data
+
+    @model_validator(mode="after")
+    def _check_tp(self) -> "RolloutConfig":
+        s = self.sglang
+        if self.engine == "sglang" and s.url is None and s.tp_size > 1 and self.gpus_per_actor < s.tp_size:
+            raise ValueError(f"rollout.sglang.tp_size={s.tp_size} needs rollout.gpus_per_actor >= {s.tp_size} "
+                             f"(got {self.gpus_per_actor:g}): each actor's server spans tp_size GPUs")
+        return self
 
 
 class AsyncConfig(Section):

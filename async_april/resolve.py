@@ -5,10 +5,15 @@
                    write, not already used by another run unless run.resume / run.overwrite say so
       resume       run.resume -> a verified checkpoint (or a fresh start for `auto` without one)
       rewards      every name in reward.functions imported (this runs the user's module)
-      model        model.path -> a local directory (built for builtin:, via models/), its tokenizer,
+      model        model.path -> a local directory (built for builtin:, a hub ID via the Hugging Face
+                   cache: async_april/hub.py), its tokenizer,
                    and a checkpoint being resumed must be of this model's shape
+      engine       SGLang: this environment must not make its logprobs pre-temperature
       data         data.source read, columns mapped, prompts templated and tokenised (`check`: the
                    first rows only), and every reward callable with this dataset's extra columns
+
+`check_gpu_resources` compares the GPUs a config asks for with a cluster's: `check` calls it when
+a Ray address is given, `train` once Ray is up, before any actor starts.
 
 Everything here runs on the driver before Ray or any actor starts, cheapest checks
 first; every failure is a UserError (async_april/errors.py) naming the key, file
@@ -26,7 +31,7 @@ from async_april import rundir
 from async_april.checkpointing import Checkpoint, check_model_fits, model_shape, resolve_resume
 from async_april.config import Config
 from async_april.data import PromptDataset, load_prompts
-from async_april.errors import ModelError
+from async_april.errors import ModelError, UserError
 from async_april.rewards import RewardFn, check_reward_signature, get_reward_fn
 
 CHECK_ROWS = 64
@@ -74,6 +79,7 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
     if resume is not None and cfg.run.resume != "auto":
         cfg.run.resume = str(resume.path)
     rundir.check_reuse(state, cfg)
+    check_engine_environment(cfg)
     rewards = {name: get_reward_fn(name) for name in cfg.reward.functions}
     try:
         model_path = Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir)).absolute()
@@ -105,3 +111,59 @@ def load_tokenizer(model_path: Path, spec: str):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"model.path {spec!r}: no usable tokenizer in {model_path} ({first}); {hint}") from None
     return tok
+
+
+def check_engine_environment(cfg: Config) -> None:
+    """An SGLang server launched from here inherits this environment: refuse one that would make its
+    logprobs those of the wrong distribution (actors/engines/sglang_engine.py)."""
+    if cfg.rollout.engine != "sglang":
+        return
+    from actors.engines.sglang_engine import original_logprob_env_error
+
+    why = original_logprob_env_error(cfg.rollout.temperature)
+    if why is not None:
+        raise EngineEnvError(why)
+
+
+class EngineEnvError(UserError, ValueError):
+    """The environment would make an engine report the wrong logprobs."""
+
+
+def gpus_needed(cfg: Config) -> float:
+    """GPUs Ray must reserve: every generation actor's share plus every learner rank's on CUDA."""
+    r, lc = cfg.rollout, cfg.learner
+    return r.num_actors * r.gpus_per_actor + (lc.world_size * lc.gpus_per_rank if lc.device == "cuda" else 0.0)
+
+
+def check_gpu_resources(cfg: Config, cluster_gpus: float) -> None:
+    """UserError when the cluster has fewer GPUs than the config reserves (Ray would wait forever)."""
+    need = gpus_needed(cfg)
+    if need > cluster_gpus + 1e-9:
+        r, lc = cfg.rollout, cfg.learner
+        raise ResourceError(
+            f"the config reserves {need:g} GPUs (rollout.num_actors={r.num_actors} x rollout.gpus_per_actor="
+            f"{r.gpus_per_actor:g} + learner.world_size={lc.world_size} x learner.gpus_per_rank={lc.gpus_per_rank:g}) "
+            f"but the Ray cluster has {cluster_gpus:g}; lower them or add GPUs")
+
+
+class ResourceError(UserError, ValueError):
+    """The config asks for more of a resource than the cluster has."""
+
+
+def cluster_gpus_if_reachable(cfg: Config) -> float | None:
+    """The GPUs of the Ray cluster named by run.ray_address or RAY_ADDRESS, or None when none is named."""
+    import os
+
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        return None
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    finally:
+        if started:
+            ray.shutdown()

@@ -53,7 +53,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     import ray
 
     from async_april import rundir
-    from async_april.resolve import resolve
+    from async_april.resolve import check_gpu_resources, resolve
 
     r = resolve(cfg)
     cfg, run_dir, resume = r.cfg, r.run_dir.path, r.resume
@@ -67,6 +67,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
     started_ray, tracker, stop = init_ray(cfg), None, GracefulStop()
     try:
+        check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
         tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
                           elapsed_s=resume.controller_state().get("time/elapsed_s", 0.0) if resume else 0.0,
                           wandb_run_id=resume.manifest.wandb_run_id if same_run else None)

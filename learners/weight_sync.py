@@ -219,6 +219,13 @@ def receive_broadcast(plan: list[list[TensorSpec]], group, device: str = "cuda")
 # ------------------------------------------------------------------------ driver
 
 
+def nccl_group_layout(num_engines: int, tp_size: int) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of the broadcast group: learner rank 0 is rank 0, and
+    every TP rank of every engine's server is a rank of its own (SGLang's init_custom_process_group
+    gives TP rank k of a server rank rank_offset + k)."""
+    return 1 + num_engines * tp_size, [1 + i * tp_size for i in range(num_engines)]
+
+
 class WeightSyncer:
     """Driver-side weight push from a `LearnerGroup` to engine (generation) actors.
 
@@ -229,14 +236,15 @@ class WeightSyncer:
     """
 
     def __init__(self, transport: str = "object_store", bucket_mb: float = 256.0,
-                 disk_dir: str | os.PathLike | None = None, group_name: str = "async_april_weights") -> None:
+                 disk_dir: str | os.PathLike | None = None, group_name: str = "async_april_weights",
+                 tp_size: int = 1) -> None:
         if transport not in ("object_store", "disk", "nccl"):
             raise ValueError(f"weight_sync.transport={transport!r}: expected object_store, disk or nccl")
         if transport == "disk" and disk_dir is None:
             raise ValueError("the disk transport needs a directory (disk_dir) visible to learner rank 0 and every engine")
         self.transport, self.bucket_mb = transport, bucket_mb
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
-        self.group_name = group_name
+        self.group_name, self.tp_size = group_name, tp_size
         self._nccl_ready = False
 
     @classmethod
@@ -244,7 +252,8 @@ class WeightSyncer:
         ws = cfg.weight_sync
         if ws.transport == "disk" and disk_dir is None:
             disk_dir = cfg.run_dir / "weights"
-        return cls(ws.transport, ws.bucket_mb, disk_dir)
+        tp = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+        return cls(ws.transport, ws.bucket_mb, disk_dir, tp_size=tp)
 
     def push(self, learner_group: "LearnerGroup", engine_actors: list, version: int) -> dict[str, float]:
         """Send the learner's current weights to every engine as `version`; blocks until all loaded."""
@@ -282,9 +291,9 @@ class WeightSyncer:
         import ray
 
         addr, port = learner_group.free_port_on_rank0()
-        world = 1 + len(engine_actors)  # one rank per engine actor (tensor-parallel engines: extend rank_offset)
-        futs = [a.init_weights_update_group.remote(addr, port, 1 + i, world, self.group_name)
-                for i, a in enumerate(engine_actors)]
+        world, offsets = nccl_group_layout(len(engine_actors), self.tp_size)
+        futs = [a.init_weights_update_group.remote(addr, port, off, world, self.group_name)
+                for a, off in zip(engine_actors, offsets)]
         learner_group.init_weight_broadcast(addr, port, world, self.group_name)
         ray.get(futs)
         self._nccl_ready = True

@@ -105,8 +105,10 @@ class LearnerWorker:
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
     ) -> None:
+        from async_april.hub import model_path_on_this_node
+
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.model_path = str(model_path)
+        self.model_path = str(model_path_on_this_node(cfg.model, model_path))  # a hub ID resolves per node
         lc = cfg.learner
         want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if want == "cuda" and not torch.cuda.is_available():

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from async_april.config import Config
 
 
+SGLANG_UPDATE_MODE = {"object_store": "tensor", "disk": "disk", "nccl": "distributed"}
+"""weight_sync.transport -> the SGLang route that loads the weights."""
+
+
 def make_engine(
     cfg: "Config",
     model_path: str,
@@ -31,7 +35,7 @@ def make_engine(
     device: torch engine only; None picks cuda when available.
     eos_token_ids: torch engine default stop tokens; None reads the model's generation config.
     overrides: extra constructor keywords for the chosen backend (e.g. `time_scale` for simulated,
-    `port` / `launch_args` for sglang).
+    `sampling_overrides` for sglang).
     """
     r = cfg.rollout
     kind = r.engine
@@ -54,8 +58,13 @@ def make_engine(
     if kind == "sglang":
         from actors.engines.sglang_engine import SGLangEngine
 
-        kw = {"request_timeout_s": r.request_timeout_s, "retries": r.retries, **overrides}
-        return SGLangEngine(model_path, url=r.sglang_url, version=version, **kw)
+        s = r.sglang
+        kw = {"tp_size": s.tp_size, "mem_fraction_static": s.mem_fraction_static, "extra_args": s.extra_args,
+              "port_range": s.port_range, "deterministic": s.deterministic, "launch_module": s.launch_module,
+              "startup_timeout_s": s.startup_timeout_s, "request_timeout_s": s.request_timeout_s, "retries": s.retries,
+              "temperature": r.temperature, "weight_update_mode": SGLANG_UPDATE_MODE[cfg.weight_sync.transport],
+              **overrides}
+        return SGLangEngine(model_path, url=s.url, version=version, **kw)
     if kind == "simulated":
         from actors.engines.simulated import SimulatedEngine
 

@@ -1,38 +1,50 @@
-"""SGLang engine: an HTTP client for an SGLang 0.5.x server (launched here or pointed at a URL).
+"""SGLang engine: an HTTP client for an SGLang 0.5.23 server (launched here, one per actor, or at a URL).
 
-Endpoints used (request JSON as SGLang 0.5.x expects it):
+Written against SGLang 0.5.23's source (paths under sglang/srt/); docs/engines.md has the
+per-route conformance table and the test that shows each row.
+
+  GET  /health                          readiness: 503 while the server starts (entrypoints/http_server.py
+                                        health_generate); /get_model_info answers earlier, so it is not used
+  GET  /server_info (/get_server_info)  the answering server's resolved args: its port and tp_size must be ours
   POST /generate                        {input_ids, sampling_params{temperature, top_p, top_k, max_new_tokens,
-                                         stop_token_ids, sampling_seed}, return_logprob: true, rid}
-                                        -> {output_ids, meta_info{finish_reason{type}, output_token_logprobs
-                                            [[logprob, token_id, text], ...], prompt_tokens, ...}}
-  POST /abort_request                   {abort_all: true}  (or {rid}: matched by PREFIX, so our rids end in '#')
-  POST /pause_generation {mode}, /continue_generation, /flush_cache
-  POST /update_weights_from_disk        {model_path, weight_version}
-  POST /update_weights_from_tensor      {serialized_named_tensors, load_format, flush_cache, weight_version}
-  POST /init_weights_update_group       {master_address, master_port, rank_offset, world_size, group_name, backend}
-  POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}
-  GET  /health, /get_model_info
+                                         stop_token_ids, sampling_seed}, return_logprob: true, rid}; every
+                                        reply is validated (SGLangError naming the field)
+  POST /abort_request                   {abort_all: true}
+  POST /pause_generation {mode: retract} / /continue_generation: the gate around a weight update, so no
+                                        request decodes between buckets (managers/scheduler.py pause_generation;
+                                        retract also lets the post-update flush run, scheduler.py flush_cache)
+  POST /begin_weight_update, /end_weight_update: the session tensor and distributed updates must run in
+                                        (managers/scheduler_components/weight_updater.py); a server without
+                                        these routes (older 0.5, 404) is updated without a session
+  POST /update_weights_from_tensor      {serialized_named_tensors: one entry per TP rank, flush_cache, weight_version}
+  POST /update_weights_from_disk        {model_path, weight_version} (no session)
+  POST /init_weights_update_group, /update_weights_from_distributed (NCCL, inside a session)
+  POST /update_weight_version           {new_version}: an attached server is told our starting version
 
-Versions: a response comes back whole, so the client cannot see where inside
-it the weights changed. `update_weights` therefore aborts whatever is still in
-flight first (callers normally abort or drain before updating anyway); those
-requests return `abort` with their tokens tagged with the old version and are
-resumed by the caller, and every later token carries the new version.
+Versions: 0.5.23 reports `meta_info.weight_versions`, spans [start, end) of output tokens and the
+weight version that produced them; each token is tagged from its span. A reply whose spans do not
+cover its tokens, or that reports a version change without spans, raises SGLangError.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import io
 import itertools
+import math
 import os
 import pickle
+import random
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Iterable
 
 import aiohttp
@@ -42,25 +54,47 @@ from actors.engine import EngineStats, GenerateRequest, GenerateResult, WeightBu
 
 
 class SGLangError(RuntimeError):
-    """The SGLang server answered with an error, or could not be reached within the retry limit."""
+    """The SGLang server answered with an error or a malformed reply, or could not be reached within the retry limit."""
+
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+"""Set to 1/true, SGLang reports logprobs before temperature scaling (srt/layers/sampler.py)."""
+
+
+def original_logprob_env_error(temperature: float, env: dict[str, str] | None = None) -> str | None:
+    """Why this environment would make SGLang's logprobs wrong for us, or None.
+
+    We need log_softmax(logits / T): the behaviour policy's. With the variable set SGLang reports
+    log_softmax(logits), which at T != 1 biases every importance weight without any error."""
+    value = (os.environ if env is None else env).get(ORIGINAL_LOGPROB_ENV, "")
+    if value.strip().lower() in ("1", "true", "yes", "on") and temperature != 1.0:
+        return (f"{ORIGINAL_LOGPROB_ENV}={value} makes SGLang report logprobs before temperature scaling, but "
+                f"rollout.temperature={temperature:g}: the recorded behaviour logprobs would be wrong; unset "
+                f"{ORIGINAL_LOGPROB_ENV} (or use rollout.temperature=1)")
+    return None
 
 
 class SGLangEngine:
-    """`Engine` over SGLang's HTTP API. With `url=None`, `start()` launches `sglang.launch_server` on loopback."""
+    """`Engine` over SGLang's HTTP API. With `url=None`, `start()` launches `launch_module` on loopback
+    on a port of its own from `port_range`."""
 
     def __init__(
         self,
         model_path: str | None = None,
         *,
         url: str | None = None,
-        port: int = 30000,
-        launch_args: Iterable[str] = (),
-        startup_timeout_s: float = 600.0,
+        tp_size: int = 1,
+        mem_fraction_static: float | None = None,
+        extra_args: Iterable[str] = (),
+        port_range: tuple[int, int] = (30000, 30999),
+        deterministic: bool = True,
+        launch_module: str = "sglang.launch_server",
+        startup_timeout_s: float = 900.0,
         request_timeout_s: float = 3600.0,
         retries: int = 5,
         backoff_s: float = 0.5,
         weight_update_mode: str = "tensor",
-        tp_size: int = 1,
+        temperature: float = 1.0,
         sampling_overrides: dict[str, Any] | None = None,
         version: int = 0,
     ) -> None:
@@ -68,22 +102,28 @@ class SGLangEngine:
             raise ValueError("SGLangEngine needs url (a running server) or model_path (to launch one)")
         if weight_update_mode not in ("tensor", "disk", "distributed"):
             raise ValueError(f"weight_update_mode must be tensor, disk or distributed, got {weight_update_mode!r}")
-        self.model_path, self.url, self.port = model_path, url.rstrip("/") if url else None, port
-        self.launch_args = list(launch_args)
+        self.model_path, self.url = model_path, url.rstrip("/") if url else None
+        self.tp_size, self.mem_fraction_static = tp_size, mem_fraction_static
+        self.extra_args, self.port_range = list(extra_args), tuple(port_range)
+        self.deterministic, self.launch_module = deterministic, launch_module
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
         self.retries, self.backoff_s = retries, backoff_s
-        self.weight_update_mode, self.tp_size = weight_update_mode, tp_size
+        self.weight_update_mode, self.temperature = weight_update_mode, temperature
         self.sampling_overrides = dict(sampling_overrides or {})
         """Extra SGLang sampling_params sent with every request, e.g. {"ignore_eos": True}."""
         self._version = version
+        self.port: int | None = None
+        self._port_lock: Any = None
         self._proc: subprocess.Popen | None = None
         self._log_path: str | None = None
         self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str, asyncio.Task] = {}
         self._rid = itertools.count()
         self._stats = EngineStats()
-        self._t_busy: float | None = None
         self._t_last = time.perf_counter()
+        self._has_sessions: bool | None = None
+        """Whether the server has /begin_weight_update (0.5.23); None until first asked."""
+        self.startup_note = ""
         self.group_name = "async_april_weights"
 
     @property
@@ -94,20 +134,32 @@ class SGLangEngine:
     async def start(self) -> None:
         if self._session is not None:
             return
+        why = original_logprob_env_error(self.temperature)
+        if why is not None:
+            raise SGLangError(why)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
         if self.url is None:
             self._launch()
         await self._wait_healthy()
+        await self._check_server()
 
     def _launch(self) -> None:
-        fd, self._log_path = tempfile.mkstemp(prefix="sglang-", suffix=".log")
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
-               "--host", "127.0.0.1", "--port", str(self.port), *self.launch_args]
+        self.port, self._port_lock = claim_port(*self.port_range)
+        fd, self._log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
+        cmd = [sys.executable, "-m", self.launch_module, "--model-path", str(self.model_path),
+               "--host", "127.0.0.1", "--port", str(self.port), "--tp-size", str(self.tp_size),
+               "--skip-tokenizer-init", "--weight-version", str(self._version)]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.deterministic:  # without it SGLang ignores sampling_seed (srt/server_args.py)
+            cmd += ["--enable-deterministic-inference"]
+        cmd += self.extra_args
         self._proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
         os.close(fd)
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def _wait_healthy(self) -> None:
+        """Poll /health until 200: 0.5.23 answers 503 while the server starts (http_server.py health_generate)."""
         t0 = time.monotonic()
         deadline = t0 + self.startup_timeout_s
         last_err = "no answer"
@@ -115,19 +167,53 @@ class SGLangEngine:
             self.startup_note = f"SGLang at {self.url}: {time.monotonic() - t0:.0f}s of {self.startup_timeout_s:.0f}s ({last_err})"
             if self._proc is not None and self._proc.poll() is not None:
                 raise SGLangError(f"SGLang server exited with code {self._proc.returncode} during startup\n{self._log_tail()}")
-            for path in ("/health", "/get_model_info"):
-                try:
-                    async with self._session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        if r.status == 200:
-                            return
-                        last_err = f"{path} -> HTTP {r.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    last_err = f"{path} -> {type(e).__name__}: {e}"
-            await asyncio.sleep(1.0)
+            try:
+                async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    if r.status == 200:
+                        return
+                    last_err = f"/health -> HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last_err = f"/health -> {type(e).__name__}: {e}"
+            await asyncio.sleep(0.5)
         raise SGLangError(
             f"SGLang server at {self.url} not healthy after {self.startup_timeout_s:.0f}s (last: {last_err}); "
-            f"raise startup_timeout_s or check the server\n{self._log_tail()}"
+            f"raise rollout.sglang.startup_timeout_s or check the server\n{self._log_tail()}"
         )
+
+    async def _check_server(self) -> None:
+        """The server answering is the one we mean: our own child (launched), with our tp size and
+        seed handling; and it counts weight versions from ours."""
+        if self._proc is not None:
+            owner = listener_pid(self.port)
+            if owner is not None and owner not in process_tree(self._proc.pid):
+                raise SGLangError(f"port {self.port} is answered by process {owner}, not by the SGLang server this actor "
+                                  f"launched (pid {self._proc.pid}); another server holds the port")
+        info = await self._get_json("/server_info", "/get_server_info")
+        if info is not None:
+            if self._proc is not None and info.get("port") not in (None, self.port):
+                raise SGLangError(f"{self.url}/server_info reports port {info.get('port')}, not {self.port}: not our server")
+            tp = info.get("tp_size")
+            if tp is not None and int(tp) != self.tp_size:
+                raise SGLangError(f"the server at {self.url} runs tp_size {tp} but rollout.sglang.tp_size={self.tp_size}; "
+                                  "weight payloads carry one entry per TP rank, so set them equal")
+            if self.deterministic and info.get("enable_deterministic_inference") is False:
+                raise SGLangError(f"the server at {self.url} runs without --enable-deterministic-inference, so it would "
+                                  "ignore sampling_seed; restart it with that flag or set rollout.sglang.deterministic=false")
+        model = await self._get_json("/model_info", "/get_model_info")
+        if model is not None and model.get("weight_version") not in (None, str(self._version)):
+            await self._post_ok("/update_weight_version", {"new_version": str(self._version), "abort_all_requests": False})
+
+    async def _get_json(self, *paths: str) -> dict | None:
+        """The first of `paths` that answers 200 with a JSON object; None when none exists (404)."""
+        for path in paths:
+            async with self._session.get(self.url + path) as r:
+                if r.status == 404:
+                    continue
+                text = await r.text()
+                if r.status != 200:
+                    raise SGLangError(f"GET {path} -> HTTP {r.status}: {text[:500]}")
+                return _json_object(text, f"GET {path}")
+        return None
 
     def _log_tail(self, n: int = 30) -> str:
         if not self._log_path or not os.path.exists(self._log_path):
@@ -151,26 +237,41 @@ class SGLangEngine:
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                 self._proc = None
+            if self._port_lock is not None:
+                self._port_lock.close()
+                self._port_lock = None
 
     # ------------------------------------------------------------------ HTTP with retries
     async def _post(self, path: str, payload: dict | None = None, *, retry: bool = True) -> Any:
+        """POST and return the parsed JSON (or the text of a non-JSON 200); SGLangError on any other status."""
+        status, text = await self._post_raw(path, payload, retry=retry)
+        if status != 200:
+            raise SGLangError(f"POST {path} -> HTTP {status}: {text[:500]}")
+        try:
+            return _json_loads(text)
+        except ValueError:
+            return text
+
+    async def _post_ok(self, path: str, payload: dict | None = None) -> dict:
+        """POST a control call; its JSON reply must not say success=false."""
+        out = await self._post(path, payload)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise SGLangError(f"POST {path} failed on the server: {out.get('message', out)}")
+        return out if isinstance(out, dict) else {}
+
+    async def _post_raw(self, path: str, payload: dict | None, *, retry: bool = True) -> tuple[int, str]:
         if self._session is None:
             raise RuntimeError(f"SGLangEngine.start() must be awaited before {path}")
         attempts = self.retries + 1 if retry else 1
         for attempt in range(attempts):
             try:
                 async with self._session.post(self.url + path, json=payload or {}) as r:
-                    text = await r.text()
-                    if r.status != 200:
-                        raise SGLangError(f"POST {path} -> HTTP {r.status}: {text[:500]}")
-                    try:
-                        return await r.json(content_type=None)
-                    except ValueError:
-                        return text
+                    return r.status, await r.text()
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 if attempt + 1 >= attempts:
                     raise SGLangError(f"POST {self.url}{path} failed after {attempts} attempts: {type(e).__name__}: {e}") from e
                 await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ generation
     def _tick(self) -> None:
@@ -184,28 +285,30 @@ class SGLangEngine:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         sp = request.sampling
-        # SGLang aborts by rid prefix: a fixed-width counter plus '#' is never a prefix of another live rid.
+        # SGLang's scheduler aborts by rid prefix: a fixed-width counter plus '#' is never a prefix of another live rid.
         rid = f"{request.request_id}@{next(self._rid):012d}#"
         params: dict[str, Any] = {
-            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-            "max_new_tokens": sp.max_new_tokens, "stop_token_ids": list(sp.stop_token_ids) or None,
+            "temperature": float(sp.temperature), "top_p": float(sp.top_p), "top_k": int(sp.top_k),
+            "max_new_tokens": int(sp.max_new_tokens), "stop_token_ids": [int(t) for t in sp.stop_token_ids] or None,
         }
-        if sp.seed is not None:
+        if sp.seed is not None and self.deterministic:
             params["sampling_seed"] = int(sp.seed)
         params.update(self.sampling_overrides)
         payload = {"input_ids": [int(t) for t in request.input_ids], "sampling_params": params,
                    "return_logprob": True, "rid": rid}
         version = self._version
         self._tick()
-        task = asyncio.current_task()
-        self._inflight[rid] = task
+        self._inflight[rid] = asyncio.current_task()
         try:
             # No retry: a resent /generate would sample a second response for the same request.
-            out = await self._post("/generate", payload, retry=False)
+            status, text = await self._post_raw("/generate", payload, retry=False)
         finally:
             self._tick()
             self._inflight.pop(rid, None)
-        res = parse_generate_response(request.request_id, out, version, len(request.input_ids))
+        if status != 200:
+            raise SGLangError(f"POST /generate -> HTTP {status}: {text[:500]}")
+        res = parse_generate_response(request.request_id, _json_object(text, "/generate"), version, self._version,
+                                      len(request.input_ids))
         self._stats.generated_tokens += len(res.output_ids)
         self._stats.prefill_tokens += len(request.input_ids)
         return res
@@ -217,94 +320,242 @@ class SGLangEngine:
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def pause(self, mode: str = "in_place") -> None:
-        await self._post("/pause_generation", {"mode": mode})
-
-    async def resume(self) -> None:
-        await self._post("/continue_generation", {})
-
     async def flush_cache(self) -> None:
+        """Refused (400) by 0.5.23 while requests run or queue (scheduler.py flush_cache)."""
         await self._post("/flush_cache", {})
 
     # ------------------------------------------------------------------ weights
+    @asynccontextmanager
+    async def _update_gate(self, session: bool):
+        """Pause (retract) so no request decodes between buckets and the final flush is allowed; open a
+        weight-update session for tensor/distributed loads; always close it and continue afterwards."""
+        await self._post_ok("/pause_generation", {"mode": "retract"})
+        opened = False
+        try:
+            if session:
+                opened = await self._begin_session()
+            yield
+        finally:
+            try:
+                if opened:
+                    await self._post_ok("/end_weight_update", {})
+            finally:
+                await self._post_ok("/continue_generation", {})
+
+    async def _begin_session(self) -> bool:
+        if self._has_sessions is False:
+            return False
+        status, text = await self._post_raw("/begin_weight_update", {})
+        if status == 404:  # an older 0.5 server: updates run without a session there
+            self._has_sessions = False
+            return False
+        if status != 200 or _json_object(text, "/begin_weight_update").get("success") is False:
+            raise SGLangError(f"POST /begin_weight_update -> HTTP {status}: {text[:500]}")
+        self._has_sessions = True
+        return True
+
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Push named full tensors through /update_weights_from_tensor (the default mode)."""
-        if self._inflight:
-            await self.abort_all()
         if self.weight_update_mode == "disk":
             raise SGLangError("weight_update_mode=disk: call update_weights_from_disk(model_path, version)")
         if self.weight_update_mode == "distributed":
             raise SGLangError("weight_update_mode=distributed: call update_weights_from_distributed(...) per bucket")
+        if self._inflight:
+            await self.abort_all()
         buckets = list(buckets)
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            await self._check(await self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [serialize_named_tensors(bucket)] * self.tp_size,  # one per TP rank
-                "load_format": None, "flush_cache": last,
-                "weight_version": str(version) if last else None,
-            }), "update_weights_from_tensor")
+        async with self._update_gate(session=True):
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                entry = serialize_named_tensors(bucket)
+                await self._post_ok("/update_weights_from_tensor", {
+                    "serialized_named_tensors": [entry] * self.tp_size,  # each TP rank reads its own entry
+                    "load_format": None, "flush_cache": last,
+                    "weight_version": str(version) if last else None,
+                })
         self._version = version
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
         if self._inflight:
             await self.abort_all()
-        await self._check(await self._post("/update_weights_from_disk",
-                                           {"model_path": model_path, "weight_version": str(version)}),
-                          "update_weights_from_disk")
+        async with self._update_gate(session=False):  # disk loads need no session (weight_updater.py)
+            await self._post_ok("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)})
         self._version = version
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, backend: str = "nccl") -> None:
-        """Step 1 of the NCCL path: the server's ranks join a process group with the learner (rank 0)."""
-        await self._check(await self._post("/init_weights_update_group", {
+        """Step 1 of the NCCL path: the server's TP ranks join a process group with the learner (rank 0)
+        as ranks rank_offset .. rank_offset + tp_size - 1."""
+        await self._post_ok("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": self.group_name, "backend": backend,
-        }), "init_weights_update_group")
+        })
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: int | None, flush_cache: bool = True) -> None:
-        """Step 2, per bucket: tell the server what to receive; the learner then broadcasts each tensor
-        (in `names` order) over the group. Pass `version` on the last bucket only."""
+    async def update_weights_from_distributed(self, plan: list[tuple[list[str], list[str], list[list[int]]]], version: int) -> None:
+        """Step 2: inside one gated session, announce each bucket (names, dtypes, shapes) while the
+        learner broadcasts it over the group; the last bucket carries `version` and the flush."""
         if self._inflight:
             await self.abort_all()
-        await self._check(await self._post("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
-            "flush_cache": flush_cache, "weight_version": None if version is None else str(version),
-        }), "update_weights_from_distributed")
-        if version is not None:
-            self._version = version
-
-    @staticmethod
-    async def _check(out: Any, what: str) -> None:
-        if isinstance(out, dict) and out.get("success") is False:
-            raise SGLangError(f"{what} failed on the server: {out.get('message', out)}")
+        async with self._update_gate(session=True):
+            for i, (names, dtypes, shapes) in enumerate(plan):
+                last = i == len(plan) - 1
+                await self._post_ok("/update_weights_from_distributed", {
+                    "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
+                    "flush_cache": last, "weight_version": str(version) if last else None,
+                })
+        self._version = version
 
     def stats(self) -> EngineStats:
         s = self._stats
         return EngineStats(s.busy_s, s.idle_s, s.generated_tokens, s.prefill_tokens, dict(s.extra))
 
 
-def parse_generate_response(request_id: str, out: dict, version: int, prompt_tokens: int) -> GenerateResult:
-    """SGLang /generate JSON -> GenerateResult (all tokens tagged with `version`)."""
-    meta = out.get("meta_info", {})
-    lps = meta.get("output_token_logprobs") or []
-    ids = out.get("output_ids")
-    if ids is None:
-        ids = [t[1] for t in lps]
+# ---------------------------------------------------------------------- replies
+
+
+def _json_loads(text: str) -> Any:
+    import json
+
+    return json.loads(text)
+
+
+def _json_object(text: str, what: str) -> dict:
+    try:
+        out = _json_loads(text)
+    except ValueError:
+        raise SGLangError(f"{what}: the reply is not JSON: {text[:200]!r}") from None
+    if not isinstance(out, dict):
+        raise SGLangError(f"{what}: the reply is a JSON {type(out).__name__}, not an object")
+    return out
+
+
+def _field(obj: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
+    value = obj.get(key)
+    if not isinstance(value, types):
+        raise SGLangError(f"{where}.{key} is {value!r}; expected {getattr(types, '__name__', types)}")
+    return value
+
+
+def parse_generate_response(request_id: str, out: dict, sent_version: int, current_version: int,
+                            prompt_tokens: int) -> GenerateResult:
+    """SGLang /generate JSON -> GenerateResult, every field checked (SGLangError naming it).
+
+    Each token is tagged with the version that produced it, from `meta_info.weight_versions`
+    (0.5.23: spans [start, end) over the output tokens). Without spans, every token must come
+    from `sent_version`: the reported `weight_version` must be it and no update ran since."""
+    where = f"/generate reply for {request_id}: meta_info"
+    meta = _field(out, "meta_info", dict, f"/generate reply for {request_id}")
+    ids = _field(out, "output_ids", list, f"/generate reply for {request_id}")
+    lps = _field(meta, "output_token_logprobs", list, where)
     if len(lps) != len(ids):
-        raise SGLangError(f"{request_id}: {len(ids)} output_ids but {len(lps)} output_token_logprobs; "
+        raise SGLangError(f"{where}.output_token_logprobs has {len(lps)} entries for {len(ids)} output_ids; "
                           "was the request sent with return_logprob=true?")
-    reason = (meta.get("finish_reason") or {}).get("type", "abort")
-    if reason not in ("stop", "length", "abort"):
-        raise SGLangError(f"{request_id}: unexpected finish_reason {meta.get('finish_reason')!r}")
+    logprobs = np.empty(len(ids), np.float32)
+    for i, (entry, tok) in enumerate(zip(lps, ids)):
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise SGLangError(f"/generate reply for {request_id}: output_ids[{i}] is {tok!r}; expected a token id")
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise SGLangError(f"{where}.output_token_logprobs[{i}] is {entry!r}; expected [logprob, token_id, text]")
+        lp = entry[0]
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) or lp > 0:
+            raise SGLangError(f"{where}.output_token_logprobs[{i}][0] is {lp!r}; expected a finite logprob <= 0")
+        if entry[1] != tok:
+            raise SGLangError(f"{where}.output_token_logprobs[{i}] is for token {entry[1]!r} but output_ids[{i}] is {tok}")
+        logprobs[i] = lp
+    reason = meta.get("finish_reason")
+    if not isinstance(reason, dict) or reason.get("type") not in ("stop", "length", "abort"):
+        raise SGLangError(f"{where}.finish_reason is {reason!r}; expected {{type: stop|length|abort, ...}}")
+    versions = token_versions(meta, len(ids), sent_version, current_version, where)
     return GenerateResult(
         request_id=request_id,
         output_ids=np.asarray(ids, np.int64),
-        logprobs=np.asarray([t[0] for t in lps], np.float32),
-        versions=np.full(len(ids), version, np.int64),
-        finish_reason=reason,
+        logprobs=logprobs,
+        versions=versions,
+        finish_reason=reason["type"],
         prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
     )
+
+
+def token_versions(meta: dict, n: int, sent_version: int, current_version: int, where: str) -> np.ndarray:
+    """The policy version of each of `n` output tokens, from 0.5.23's weight_versions spans."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        reported = meta.get("weight_version")
+        if reported not in (None, str(sent_version)) or current_version != sent_version:
+            raise SGLangError(f"{where}: weights changed during the request (sent at version {sent_version}, reply "
+                              f"says {reported!r}, now {current_version}) but the reply has no weight_versions spans; "
+                              "cannot tell which tokens which weights produced")
+        return np.full(n, sent_version, np.int64)
+    out = np.empty(n, np.int64)
+    pos = 0
+    for k, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise SGLangError(f"{where}.weight_versions[{k}] is {span!r}; expected {{version, start, end}}")
+        try:
+            v, start, end = int(span["version"]), int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            raise SGLangError(f"{where}.weight_versions[{k}] is {span!r}; expected integer version, start, end") from None
+        if start != pos or end < start or end > n or not sent_version <= v <= current_version:
+            raise SGLangError(f"{where}.weight_versions {spans!r} do not tile the {n} output tokens with versions in "
+                              f"[{sent_version}, {current_version}]")
+        out[start:end] = v
+        pos = end
+    if pos != n:
+        raise SGLangError(f"{where}.weight_versions {spans!r} cover {pos} of {n} output tokens")
+    return out
+
+
+# ---------------------------------------------------------------------- ports and processes
+
+
+def claim_port(low: int, high: int) -> tuple[int, Any]:
+    """A port in [low, high] no other actor on this node holds (an exclusive lock file kept open for
+    the server's life) and nothing listens on; returns (port, the open lock file)."""
+    lock_dir = Path(tempfile.gettempdir()) / "async_april_ports"
+    lock_dir.mkdir(exist_ok=True)
+    ports = list(range(low, high + 1))
+    start = random.randrange(len(ports))
+    for port in ports[start:] + ports[:start]:
+        f = open(lock_dir / f"{port}.lock", "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                f.close()
+                continue
+        return port, f
+    raise SGLangError(f"no free port in rollout.sglang.port_range [{low}, {high}]; widen it")
+
+
+def listener_pid(port: int) -> int | None:
+    """The process listening on 127.0.0.1:`port`, when the OS lets us see it."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None:
+            return c.pid
+    return None
+
+
+def process_tree(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return {pid, *(c.pid for c in p.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+# ---------------------------------------------------------------------- tensors
 
 
 def serialize_named_tensors(bucket: WeightBucket) -> str:

@@ -365,14 +365,19 @@ def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, forc
 
 
 def resolve_model_path(path: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
-    """`builtin:tiny-reverse` -> the built tiny model; otherwise the local Hugging Face directory `path`."""
+    """`builtin:tiny-reverse` -> the built tiny model; a local Hugging Face directory; else a hub ID
+    `org/name[@revision]` -> its snapshot in the Hugging Face cache (async_april/hub.py)."""
     if path == BUILTIN_NAME:
         return ensure_tiny_model(cache_dir)
-    hint = f"set model.path to a Hugging Face model directory or {BUILTIN_NAME}"
+    hint = f"set model.path to a Hugging Face model directory, a hub ID (org/name[@revision]) or {BUILTIN_NAME}"
     if path.startswith("builtin:"):
         raise ValueError(f"model.path {path!r} is not a built-in model; {hint}")
     local = Path(path).expanduser()
     if not local.is_dir():
+        from async_april.hub import parse_hub_id, resolve_hub_model
+
+        if parse_hub_id(path) is not None and not path.startswith((".", "/", "~")):
+            return resolve_hub_model(path)
         raise FileNotFoundError(f"model.path {path!r} does not exist; {hint}")
     if not (local / "config.json").is_file():
         raise FileNotFoundError(f"model.path {path!r} has no config.json; {hint}")
