@@ -109,7 +109,9 @@ class StandinState:
         return not self.live or self.paused == "retract"
 
 
-def build_app(state: StandinState) -> web.Application:
+def build_app(state: StandinState, sessions: bool = True) -> web.Application:
+    """sessions=False: an older 0.5 server, without /begin_weight_update and /end_weight_update (404) and
+    without the session check."""
     engine = state.engine
 
     def error(status: int, message: str) -> web.Response:
@@ -228,7 +230,7 @@ def build_app(state: StandinState) -> web.Application:
 
     async def from_tensor(req: web.Request):
         body = await req.json()
-        if not state.session:
+        if sessions and not state.session:
             return error(400, SESSION_MSG.format("update_weights_from_tensor"))
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != state.tp_size:
@@ -254,7 +256,7 @@ def build_app(state: StandinState) -> web.Application:
         return error(400, "stand-in server: NCCL weight updates need GPUs")
 
     async def from_distributed(_):
-        if not state.session:
+        if sessions and not state.session:
             return error(400, SESSION_MSG.format("update_weights_from_distributed"))
         return error(400, "stand-in server: NCCL weight updates need GPUs")
 
@@ -264,7 +266,6 @@ def build_app(state: StandinState) -> web.Application:
         return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}"})
 
     app = web.Application(client_max_size=1 << 30)
-    app["state"] = state
     app.add_routes([
         web.get("/health", health), web.get("/health_generate", health),
         web.get("/model_info", model_info), web.get("/get_model_info", model_info),
@@ -272,11 +273,12 @@ def build_app(state: StandinState) -> web.Application:
         web.post("/generate", generate), web.post("/abort_request", abort_request),
         web.post("/pause_generation", pause), web.post("/continue_generation", cont),
         web.post("/flush_cache", flush), web.get("/flush_cache", flush),
-        web.post("/begin_weight_update", begin), web.post("/end_weight_update", end),
         web.post("/update_weights_from_disk", from_disk), web.post("/update_weights_from_tensor", from_tensor),
         web.post("/init_weights_update_group", init_group), web.post("/update_weights_from_distributed", from_distributed),
         web.post("/update_weight_version", set_version),
     ])
+    if sessions:
+        app.add_routes([web.post("/begin_weight_update", begin), web.post("/end_weight_update", end)])
     return app
 
 
@@ -284,8 +286,8 @@ class StandinServer:
     """Runs the stand-in on 127.0.0.1 (a free port unless given) in a background thread with its own event loop."""
 
     def __init__(self, model_path: str | Path, port: int = 0, *, tp_size: int = 1, deterministic: bool = True,
-                 warmup_s: float = 0.0, weight_version: int = 0, **engine_kwargs) -> None:
-        self.model_path, self.port = str(model_path), port
+                 warmup_s: float = 0.0, weight_version: int = 0, sessions: bool = True, **engine_kwargs) -> None:
+        self.model_path, self.port, self.sessions = str(model_path), port, sessions
         self.tp_size, self.deterministic, self.warmup_s = tp_size, deterministic, warmup_s
         self.engine = TorchEngine(self.model_path, version=weight_version, **engine_kwargs)
         self._ready = threading.Event()
@@ -314,7 +316,7 @@ class StandinServer:
 
     async def serve(self) -> None:
         self._state = StandinState(self.engine, self.model_path, self.port, self.tp_size, self.deterministic)
-        self._runner = web.AppRunner(build_app(self._state))
+        self._runner = web.AppRunner(build_app(self._state, self.sessions))
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=False)
         await site.start()

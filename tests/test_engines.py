@@ -77,8 +77,7 @@ def harness(request, model_dir, tmp_path) -> Harness:
     pytest.importorskip("sglang")
     if not torch.cuda.is_available():
         pytest.skip("a real SGLang server needs a CUDA GPU")
-    eng = SGLangEngine(model_dir, port=31234, launch_args=["--skip-tokenizer-init"],
-                       sampling_overrides={"ignore_eos": True})
+    eng = SGLangEngine(model_dir, sampling_overrides={"ignore_eos": True})
     return Harness(eng, True, lambda: 10**9, model_dir)  # no token counter: abort after a fixed delay
 
 
@@ -229,7 +228,7 @@ def test_standin_disk_weight_update_and_nccl_refusal(standin, model_dir, tmp_pat
             await eng.update_weights_from_disk(model_dir, version=6)
             c = await eng.generate(req("d-2#", PROMPT, 16, seed=2))
             with pytest.raises(Exception, match="NCCL"):
-                await eng.update_weights_from_distributed(["x"], ["float32"], [[1]], version=7)
+                await eng.update_weights_from_distributed([(["x"], ["float32"], [[1]])], version=7)
             return a, b, c
         finally:
             await eng.shutdown()
@@ -308,5 +307,5 @@ def test_make_engine_picks_backend(model_dir):
     eng = make_engine(cfg, model_dir, device="cpu")
     assert isinstance(eng, TorchEngine) and eng.max_running == cfg.rollout.concurrency
     cfg.rollout.engine = "sglang"
-    cfg.rollout.sglang_url = "http://127.0.0.1:1"
+    cfg.rollout.sglang.url = "http://127.0.0.1:1"
     assert isinstance(make_engine(cfg, model_dir), SGLangEngine)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -323,15 +324,14 @@ def test_api_keys_never_reach_the_run_directory(nan_reward_run):
 
 
 def test_ray_dashboard_is_off_and_sglang_binds_loopback(cluster):
-    import inspect
-
     import ray
 
     from actors.engines.sglang_engine import SGLangEngine
 
     node = ray._private.worker.global_worker.node
     assert not node.address_info.get("webui_url"), "the embedded Ray dashboard must stay off"
-    assert '"--host", "127.0.0.1"' in inspect.getsource(SGLangEngine._launch)
+    cmd = SGLangEngine("m").launch_command(30001)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
 
 
 # --------------------------------------------------------------------------- NaN loss
@@ -368,8 +368,8 @@ def test_sglang_server_down_mid_run_returns_samples_and_recovers(cluster, tmp_pa
     srv = StandinServer(model, max_running=64)
     url = srv.start()
     port = srv.port
-    cfg = make_cfg(tmp_path, "run.steps=3", "rollout.engine=sglang", f"rollout.sglang_url={url}",
-                   "rollout.retries=1", "rollout.request_timeout_s=20", "rollout.max_actor_restarts=2")
+    cfg = make_cfg(tmp_path, "run.steps=3", "rollout.engine=sglang", f"rollout.sglang.url={url}",
+                   "rollout.sglang.retries=1", "rollout.sglang.request_timeout_s=20", "rollout.max_actor_restarts=2")
     servers = [srv]
 
     def on_step(step, batch, learner):
@@ -390,6 +390,27 @@ def test_sglang_server_down_mid_run_returns_samples_and_recovers(cluster, tmp_pa
     last = rows(cfg)[-1]
     assert last["train/step"] == 3 and last["rollout/actor_failures"] >= 1 and last["rollout/actor_restarts"] >= 1
     assert_each_prompt_once(store_state(CheckpointManager(cfg.run_dir).list()[-1]))
+
+
+def test_two_sglang_actors_launch_servers_on_ports_of_their_own(cluster, tmp_path):
+    """Two generation actors of one run each launch a server -- the SGLang stand-in, started as
+    `python -m tests.sglang_standin` with SGLang's flags -- on a port of its own from
+    rollout.sglang.port_range (the client as it was put every server on 30000), each checked to
+    be the actor's own child."""
+    import ray
+
+    from actors.pool import ActorPool
+
+    cfg = make_cfg(tmp_path, "rollout.engine=sglang", "rollout.num_actors=2", "rollout.sglang.launch_module=tests.sglang_standin",
+                   "rollout.sglang.port_range=[31100, 31103]", "rollout.sglang.startup_timeout_s=120")
+    pool = ActorPool(cfg, store=None, model_path=str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)))
+    try:
+        pool.start(2)
+        notes = ray.get([a.startup_note.remote() for a in pool.handles])
+    finally:
+        pool.stop()
+    ports = [int(re.search(r"127\.0\.0\.1:(\d+)", n)[1]) for n in notes]
+    assert len(set(ports)) == 2 and all(31100 <= p <= 31103 for p in ports), notes
 
 
 # --------------------------------------------------------------------------- invalid config

@@ -146,17 +146,21 @@ class SGLangEngine:
     def _launch(self) -> None:
         self.port, self._port_lock = claim_port(*self.port_range)
         fd, self._log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
+        self._proc = subprocess.Popen(self.launch_command(self.port), stdout=fd, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        os.close(fd)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def launch_command(self, port: int) -> list[str]:
+        """The server's command line (flag names from srt/server_args.py); loopback only."""
         cmd = [sys.executable, "-m", self.launch_module, "--model-path", str(self.model_path),
-               "--host", "127.0.0.1", "--port", str(self.port), "--tp-size", str(self.tp_size),
+               "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(self.tp_size),
                "--skip-tokenizer-init", "--weight-version", str(self._version)]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
-        if self.deterministic:  # without it SGLang ignores sampling_seed (srt/server_args.py)
+        if self.deterministic:  # without it SGLang ignores sampling_seed
             cmd += ["--enable-deterministic-inference"]
-        cmd += self.extra_args
-        self._proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
-        os.close(fd)
-        self.url = f"http://127.0.0.1:{self.port}"
+        return cmd + self.extra_args
 
     async def _wait_healthy(self) -> None:
         """Poll /health until 200: 0.5.23 answers 503 while the server starts (http_server.py health_generate)."""
@@ -494,9 +498,11 @@ def token_versions(meta: dict, n: int, sent_version: int, current_version: int, 
             v, start, end = int(span["version"]), int(span["start"]), int(span["end"])
         except (KeyError, TypeError, ValueError):
             raise SGLangError(f"{where}.weight_versions[{k}] is {span!r}; expected integer version, start, end") from None
-        if start != pos or end < start or end > n or not sent_version <= v <= current_version:
-            raise SGLangError(f"{where}.weight_versions {spans!r} do not tile the {n} output tokens with versions in "
-                              f"[{sent_version}, {current_version}]")
+        # Versions only move forward, from the one the request was sent under (a server shared with another
+        # client may be past this client's own version).
+        if start != pos or end < start or end > n or v < (out[start - 1] if start else sent_version):
+            raise SGLangError(f"{where}.weight_versions {spans!r} do not tile the {n} output tokens with versions "
+                              f"rising from {sent_version}")
         out[start:end] = v
         pos = end
     if pos != n:

@@ -1,0 +1,482 @@
+"""The SGLang backend against SGLang 0.5.23's behaviour (issue 14): one test per defect a user
+with GPUs would have hit, numbered as in the issue, each failing on the client as it was.
+
+Every test runs the real client (actors/engines/sglang_engine.py) over real HTTP against
+tests/sglang_standin.py: a STAND-IN for SGLang (which needs a GPU), backed by the torch engine,
+that checks every /generate body with SGLang's own generated contract and follows 0.5.23's
+session, flush, pause, abort, readiness and version-span rules (each cites its SGLang file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("aiohttp", reason="the SGLang client and its stand-in server need aiohttp")
+pytest.importorskip("msgspec", reason="the stand-in checks requests with SGLang's msgspec contract")
+import aiohttp
+
+from actors.engine import GenerateRequest, SamplingParams
+from actors.engines.sglang_engine import SGLangEngine, SGLangError, parse_generate_response
+from async_april.config import ConfigError, load_config
+from tests.sglang_standin import StandinServer, make_test_model_dir
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = np.array([1, 5, 6, 7, 14], np.int64)
+SESSION_400 = "must run between begin_weight_update() and end_weight_update()"
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def repo_on_pythonpath():
+    """Launched stand-in servers (`python -m tests.sglang_standin`) import from the repository."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), old]))
+    yield
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(make_test_model_dir(tmp_path_factory.getbasetemp() / "tiny-conformance-model"))
+
+
+@pytest.fixture(scope="module")
+def standin(model_dir):
+    srv = StandinServer(model_dir, max_running=64)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def req(rid: str, max_new: int, seed: int = 0) -> GenerateRequest:
+    return GenerateRequest(rid, PROMPT, SamplingParams(max_new_tokens=max_new, seed=seed))
+
+
+def perturbed(model_path: str, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(7)
+    sd = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+
+
+def original(model_path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+
+
+def halves(sd: dict) -> list[dict]:
+    names = sorted(sd)
+    return [{k: sd[k] for k in names[: len(names) // 2]}, {k: sd[k] for k in names[len(names) // 2:]}]
+
+
+async def raw_post(url: str, path: str, body: dict) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return r.status, await r.text()
+
+
+def client(url: str, **kw) -> SGLangEngine:
+    return SGLangEngine(url=url, retries=1, sampling_overrides={"ignore_eos": True}, **kw)
+
+
+# ---------------------------------------------------------------------- 1. weight-update sessions
+def test_1_tensor_update_runs_in_a_session_and_outside_one_is_400(standin, model_dir):
+    from actors.engines.sglang_engine import serialize_named_tensors
+
+    async def main():
+        status, text = await raw_post(standin.url, "/update_weights_from_tensor",
+                                      {"serialized_named_tensors": [serialize_named_tensors({})], "flush_cache": False})
+        eng = client(standin.url)
+        await eng.start()
+        try:
+            before = await eng.generate(req("t-0#", 12, seed=3))
+            await eng.update_weights(halves(perturbed(model_dir)), version=1)
+            after = await eng.generate(req("t-1#", 12, seed=3))
+            await eng.update_weights(halves(original(model_dir)), version=2)
+            back = await eng.generate(req("t-2#", 12, seed=3))
+            return status, text, before, after, back
+        finally:
+            await eng.shutdown()
+
+    status, text, before, after, back = asyncio.run(main())
+    assert status == 400 and SESSION_400 in text
+    assert set(after.versions.tolist()) == {1} and set(back.versions.tolist()) == {2}
+    assert not np.allclose(before.logprobs, after.logprobs)
+    np.testing.assert_allclose(before.logprobs, back.logprobs, atol=1e-5)  # same weights, same seed
+    assert not standin.state.session and standin.state.paused is None  # session closed, generation continued
+
+
+def test_1_older_server_without_session_routes_is_updated_without_one(model_dir):
+    srv = StandinServer(model_dir, sessions=False, max_running=8)
+    srv.start()
+
+    async def main():
+        eng = client(srv.url)
+        await eng.start()
+        try:
+            await eng.update_weights(halves(original(model_dir)), version=4)
+            return await eng.generate(req("o-0#", 6)), eng._has_sessions
+        finally:
+            await eng.shutdown()
+
+    try:
+        res, has_sessions = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert has_sessions is False and set(res.versions.tolist()) == {4}
+
+
+def test_1_distributed_update_gets_past_the_session_check_to_nccl(standin):
+    async def main():
+        status, text = await raw_post(standin.url, "/update_weights_from_distributed",
+                                      {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})
+        eng = client(standin.url)
+        await eng.start()
+        try:
+            with pytest.raises(SGLangError) as err:
+                await eng.update_weights_from_distributed([(["x"], ["float32"], [[1]])], version=9)
+            return status, text, str(err.value)
+        finally:
+            await eng.shutdown()
+
+    status, text, err = asyncio.run(main())
+    assert status == 400 and SESSION_400 in text  # what the client as it was got on every NCCL sync
+    assert "NCCL weight updates need GPUs" in err and SESSION_400 not in err
+    assert not standin.state.session and standin.state.paused is None
+
+
+def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp_path):
+    """The disk transport: learner-side files (DiskBucketWriter), the actor hands the directory to
+    /update_weights_from_disk, which the server reads itself."""
+    from actors.generation import GenerationActor
+    from learners.weight_sync import DiskBucketWriter
+
+    w = DiskBucketWriter(tmp_path / "weights", version=5)
+    for b in halves(perturbed(model_dir)):
+        w.add(b)
+    path = w.commit()
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.url={standin.url}", "weight_sync.transport=disk"])
+
+    async def main():
+        from actors.engines import make_engine
+
+        eng = make_engine(cfg, model_dir)
+        actor = GenerationActor(cfg, "gen0", None, model_dir, engine=eng)
+        await actor.start()
+        try:
+            await actor.update_weights(path, 5)
+            res = await eng.generate(req("k-0#", 6))
+            await eng.update_weights_from_disk(str(Path(model_dir)), 6)  # the original weights again
+            return res, eng.weight_update_mode
+        finally:
+            await eng.shutdown()
+
+    res, mode = asyncio.run(main())
+    assert mode == "disk" and set(res.versions.tolist()) == {5} and standin.state.weight_version == "6"
+
+
+# ---------------------------------------------------------------------- 2 + 7. flush and the update gate
+def test_2_7_update_while_another_client_decodes_flushes_and_tags_each_token(standin, model_dir):
+    """A request decoding when weights change: 0.5.23 refuses a flush while it runs; the client pauses
+    with mode=retract (the flush may then run), and the request's tokens carry the weight_versions
+    spans: old version before the update, new after."""
+
+    async def main():
+        other = client(standin.url)
+        updater = client(standin.url)
+        await other.start()
+        await updater.start()
+        try:
+            v0 = standin.engine.version
+            task = asyncio.create_task(other.generate(req("long-0#", 400, seed=5)))
+            t0 = standin.engine.stats().generated_tokens
+            while standin.engine.stats().generated_tokens < t0 + 20:
+                await asyncio.sleep(0.005)
+            flush_status, _ = await raw_post(standin.url, "/flush_cache", {})
+            await updater.update_weights(halves(perturbed(model_dir)), version=11)
+            res = await task
+            await updater.update_weights(halves(original(model_dir)), version=12)
+            return flush_status, res, v0
+        finally:
+            await other.shutdown()
+            await updater.shutdown()
+
+    flush_status, res, v0 = asyncio.run(main())
+    assert flush_status == 400  # refused while a request runs
+    v = res.versions.tolist()
+    assert res.finish_reason == "length" and len(v) == 400
+    assert v[0] == v0 != 11 and v[-1] == 11 and v == sorted(v)  # each token tagged by the weights that produced it
+
+
+# ---------------------------------------------------------------------- 3. a port per actor, our own child
+# (two real generation actors launching servers on ports of their own: tests/test_faults.py::
+#  test_two_sglang_actors_launch_servers_on_ports_of_their_own, which reuses that module's Ray cluster)
+def test_3_port_claim_skips_ports_held_by_others():
+    import socket
+
+    from actors.engines.sglang_engine import claim_port
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 31120))
+    squatter.listen()
+    try:
+        port, lock = claim_port(31120, 31121)  # 31120 has a listener
+        with pytest.raises(SGLangError, match="no free port in rollout.sglang.port_range"):
+            claim_port(31121, 31121)  # held by `lock`, as by another actor on this node
+    finally:
+        squatter.close()
+    lock.close()
+    assert port == 31121
+
+
+def test_3_a_neighbours_server_on_our_port_is_refused(model_dir, monkeypatch):
+    """The client as it was took any 200 on its port as its own server; here a neighbour's server
+    answers on the port before our launched child could bind it."""
+    import actors.engines.sglang_engine as sglang_engine
+
+    neighbour = StandinServer(model_dir, max_running=8)
+    neighbour.start()
+    monkeypatch.setattr(sglang_engine, "claim_port", lambda lo, hi: (neighbour.port, None))
+
+    async def main():
+        eng = SGLangEngine(model_dir, launch_module="tests.sglang_standin", startup_timeout_s=60, retries=1)
+        try:
+            with pytest.raises(SGLangError, match="not by the SGLang server this actor launched"):
+                await eng.start()
+        finally:
+            await eng.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        neighbour.stop()
+
+
+# ---------------------------------------------------------------------- 5. seeds and the logprob convention
+def test_5_server_without_deterministic_flag_and_pre_temperature_logprobs_are_refused(model_dir, monkeypatch):
+    from async_april.errors import UserError
+    from async_april.resolve import check_engine_environment
+
+    srv = StandinServer(model_dir, deterministic=False, max_running=8)
+    srv.start()
+
+    async def start(eng):
+        try:
+            await eng.start()
+        finally:
+            await eng.shutdown()
+
+    try:
+        with pytest.raises(SGLangError, match="enable-deterministic-inference"):
+            asyncio.run(start(client(srv.url)))
+        asyncio.run(start(client(srv.url, deterministic=False)))  # no seeds asked for: fine
+        monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+        with pytest.raises(SGLangError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+            asyncio.run(start(client(srv.url, deterministic=False, temperature=0.7)))
+        asyncio.run(start(client(srv.url, deterministic=False, temperature=1.0)))  # T = 1: the same numbers
+    finally:
+        srv.stop()
+    with pytest.raises(UserError, match="unset SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        check_engine_environment(load_config(None, ["rollout.engine=sglang", "rollout.temperature=0.7"]))
+    check_engine_environment(load_config(None, ["rollout.engine=torch", "rollout.temperature=0.7"]))
+
+
+# ---------------------------------------------------------------------- 4. tensor parallelism
+def test_4_tp_size_reaches_payloads_and_the_nccl_group(model_dir):
+    from actors.engines import make_engine
+    from learners.weight_sync import nccl_group_layout
+
+    srv = StandinServer(model_dir, tp_size=2, max_running=8)
+    srv.start()
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.url={srv.url}", "rollout.sglang.tp_size=2",
+                             "rollout.gpus_per_actor=2"])
+
+    async def main():
+        eng = make_engine(cfg, model_dir)
+        await eng.start()
+        try:
+            await eng.update_weights(halves(original(model_dir)), version=3)
+            res = await eng.generate(req("p-0#", 4))
+        finally:
+            await eng.shutdown()
+        with pytest.raises(SGLangError, match="tp_size 2"):
+            await client(srv.url).start()
+        return res
+
+    try:
+        res = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert set(res.versions.tolist()) == {3}
+    # 4 servers of tp 2: learner rank 0, then ranks 1-2, 3-4, 5-6, 7-8 (rank = rank_offset + tp_rank)
+    assert nccl_group_layout(4, 2) == (9, [1, 3, 5, 7])
+
+
+# ---------------------------------------------------------------------- 6. readiness and reply validation
+def test_6_readiness_waits_for_health_through_warm_up(model_dir):
+    srv = StandinServer(model_dir, warmup_s=1.5, max_running=8)
+    url = srv.start()
+
+    async def main():
+        eng = client(url, startup_timeout_s=30)
+        t0 = time.monotonic()
+        await eng.start()
+        waited = time.monotonic() - t0
+        try:
+            return waited, await eng.generate(req("w-0#", 4))
+        finally:
+            await eng.shutdown()
+
+    try:
+        waited, res = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert waited >= 1.0 and len(res.output_ids) == 4
+
+
+def good_reply(n: int = 2) -> dict:
+    return {"text": "", "output_ids": list(range(4, 4 + n)),
+            "meta_info": {"finish_reason": {"type": "length", "length": n}, "prompt_tokens": 3,
+                          "output_token_logprobs": [[-0.5, t, None] for t in range(4, 4 + n)],
+                          "weight_version": "0", "weight_versions": [{"version": "0", "start": 0, "end": n}]}}
+
+
+def bad(path: str, value) -> dict:
+    out = json.loads(json.dumps(good_reply()))
+    node = out
+    *parents, last = path.split(".")
+    for p in parents:
+        node = node[p] if not p.isdigit() else node[int(p)]
+    node[int(last) if last.isdigit() else last] = value
+    return out
+
+
+@pytest.mark.parametrize("reply, field", [
+    (bad("meta_info.finish_reason", "stop"), "finish_reason"),
+    (bad("meta_info.output_token_logprobs.0", [None, 4, None]), r"output_token_logprobs\[0\]\[0\]"),
+    (bad("meta_info.output_token_logprobs.1", [-0.1, 9, None]), r"output_token_logprobs\[1\]"),
+    (bad("meta_info.output_token_logprobs", [[-0.5, 4, None]]), "output_token_logprobs has 1 entries"),
+    (bad("output_ids", None), "output_ids"),
+    (bad("meta_info", "oops"), "meta_info"),
+    (bad("meta_info.finish_reason", {"type": "eos"}), "finish_reason"),
+], ids=["string-finish-reason", "none-logprob", "token-mismatch", "count-mismatch", "no-output-ids", "meta-not-object",
+        "unknown-reason"])
+def test_6_every_reply_field_is_validated(reply, field):
+    with pytest.raises(SGLangError, match=field):
+        parse_generate_response("r", reply, 0, 0, 3)
+
+
+def test_6_non_json_reply_is_an_sglang_error():
+    from actors.engines.sglang_engine import _json_object
+
+    with pytest.raises(SGLangError, match="not JSON"):
+        _json_object("<html>502 Bad Gateway</html>", "/generate")
+
+
+# ---------------------------------------------------------------------- 7. version spans
+def test_7_tokens_take_the_version_of_their_weight_versions_span():
+    reply = good_reply(5)
+    reply["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    reply["meta_info"]["weight_version"] = "4"
+    assert parse_generate_response("r", reply, 3, 4, 3).versions.tolist() == [3, 3, 4, 4, 4]
+    for spans in ([{"version": "3", "start": 0, "end": 2}],  # does not cover the tokens
+                  [{"version": "4", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}],  # backwards
+                  [{"version": "2", "start": 0, "end": 5}]):  # older than the version it was sent under
+        reply["meta_info"]["weight_versions"] = spans
+        with pytest.raises(SGLangError, match="weight_versions"):
+            parse_generate_response("r", reply, 3, 4, 3)
+    del reply["meta_info"]["weight_versions"]  # an older server: no spans, and weights changed meanwhile
+    with pytest.raises(SGLangError, match="no weight_versions spans"):
+        parse_generate_response("r", reply, 3, 4, 3)
+
+
+# ---------------------------------------------------------------------- 8. hub IDs
+def hub_layout(cache: Path, repo: str, model_dir: str, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """A model laid out as the Hugging Face hub cache holds it: models--org--name/{refs/main, snapshots/<commit>/}."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snap = root / "snapshots" / commit
+    shutil.copytree(model_dir, snap)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_8_model_path_takes_a_hub_id_through_the_cache(tmp_path, monkeypatch, model_dir):
+    from async_april.errors import ModelError
+    from async_april.models.tiny import resolve_model_path
+
+    cache = tmp_path / "hub"
+    snap = hub_layout(cache, "tiny-org/tiny-model", model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("tiny-org/tiny-model") == snap
+    assert resolve_model_path(f"tiny-org/tiny-model@{snap.name}") == snap
+    with pytest.raises(ModelError, match=r"'Qwen/Qwen3-4B' is not in the Hugging Face cache.*hf download Qwen/Qwen3-4B"):
+        resolve_model_path("Qwen/Qwen3-4B")
+
+
+# ---------------------------------------------------------------------- 9. launch settings in the config
+def test_9_rollout_sglang_settings_reach_the_server_command():
+    from actors.engines import make_engine
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.tp_size=2", "rollout.gpus_per_actor=2",
+                             "rollout.sglang.mem_fraction_static=0.4", "rollout.sglang.extra_args=[--attention-backend, fa3]"])
+    cmd = make_engine(cfg, "/models/m").launch_command(30005)
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.4" and flags["--port"] == "30005"
+    assert cmd[-2:] == ["--attention-backend", "fa3"] and "--enable-deterministic-inference" in cmd
+    with pytest.raises(ConfigError, match="rollout.sglang_url has moved: set rollout.sglang.url"):
+        load_config(None, ["rollout.sglang_url=http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="--tp-size, which async-april sets itself"):
+        load_config(None, ["rollout.sglang.extra_args=[--tp-size, '2']"])
+
+
+# ---------------------------------------------------------------------- 10. dependency floors
+def test_10_dependency_floors_and_the_gpu_install_line():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = {Requirement(r).name: Requirement(r) for r in meta["dependencies"]}
+
+    def floor(name: str) -> Version:
+        return min(Version(s.version) for s in reqs[name].specifier if s.operator == ">=")
+
+    assert floor("torch") >= Version("2.8")  # FSDPModule.set_force_sum_reduction_for_comms (learners/parallelize.py)
+    assert floor("ray") >= Version("2.52")  # RAY_AUTH_MODE=token (docs/reliability.md)
+    gpu = [Requirement(r) for r in meta["optional-dependencies"]["gpu"]]
+    assert [str(r) for r in gpu if r.name == "sglang"] == ["sglang==0.5.23"]
+    assert not any(r.name == "flash-attn" for r in gpu)  # an sdist needing torch first: its own README step
+    readme = (REPO / "README.md").read_text()
+    assert re.search(r"^pip install -e '\.\[gpu\]'", readme, re.M)
+    assert re.search(r"^pip install flash-attn --no-build-isolation", readme, re.M)
+
+
+# ---------------------------------------------------------------------- 11. the model's EOS set
+def test_11_generation_stops_on_the_models_whole_eos_set(model_dir, tmp_path):
+    from actors.generation import GenerationActor
+
+    d = tmp_path / "model"
+    shutil.copytree(model_dir, d)
+    gen_cfg = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    (d / "generation_config.json").write_text(json.dumps({**gen_cfg, "eos_token_id": [2, 7]}))  # as Qwen3 lists two
+    actor = GenerationActor(load_config(None, ["rollout.engine=simulated"]), "gen0", None, str(d))
+    assert set(actor.stop_token_ids) == {2, 7}
