@@ -113,3 +113,73 @@ def test_gpu_check_tiny_on_cuda(tmp_path):
     r = run_gpu_check(tmp_path, "--tiny", timeout=300)
     assert "mfu" in r["learner"] or "H" not in r["environment"]["gpu"]
     assert r["weight_sync"]["weights_match"]
+
+
+# ----------------------------------------------------------------------------- `async-april check` on every recipe
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SUBSTITUTE_ROWS = {  # the recipes' columns: DeepScaleR (problem, answer), DAPO-Math-17k (chat prompt, reward_model)
+    "deepscaler": [{"problem": f"What is {i} + {i}?", "answer": str(2 * i), "solution": "..."} for i in range(80)],
+    "dapo": [{"prompt": [{"role": "user", "content": f"Compute {i} * 3."}], "data_source": "math_dapo",
+              "reward_model": {"ground_truth": str(3 * i), "style": "rule-lighteval/MATH_v2"}} for i in range(80)],
+}
+
+
+@pytest.fixture(scope="module")
+def substitutes(tmp_path_factory):
+    """A tiny model in the Hugging Face hub cache layout under each recipe's model ID
+    (models--org--name/refs/main + snapshots/<commit>/), with a chat template as the real ones
+    have, and each recipe's dataset as a local file with the same columns."""
+    import shutil
+
+    from tests.sglang_standin import make_test_model_dir
+
+    root = tmp_path_factory.mktemp("recipe-substitutes")
+    model = make_test_model_dir(root / "tiny")
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": CHAT_TEMPLATE}))
+    ids = {load_config(p).model.path for p in MODE_FILES}
+    for repo in ids:
+        cached = root / "hub" / ("models--" + repo.replace("/", "--"))
+        shutil.copytree(model, cached / "snapshots" / HUB_COMMIT)
+        (cached / "refs").mkdir()
+        (cached / "refs" / "main").write_text(HUB_COMMIT)
+    data = {}
+    for name, rows in SUBSTITUTE_ROWS.items():
+        data[name] = root / f"{name}.jsonl"
+        data[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, data, ids
+
+
+@pytest.mark.parametrize("path", MODE_FILES, ids=lambda p: p.stem)
+def test_recipe_passes_async_april_check(path, substitutes, monkeypatch, capsys, tmp_path):
+    """`async-april check RECIPE` offline: the recipe's hub model ID resolves through the cache,
+    its data columns map and tokenise, its rewards import; only data.source and run.dir are
+    overridden (no dataset hub here). Resources are checked where RAY_ADDRESS names a cluster."""
+    from async_april.cli import main
+
+    root, data, ids = substitutes
+    monkeypatch.setenv("HF_HUB_CACHE", str(root / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    source = data["dapo" if "dapo" in path.stem else "deepscaler"]
+    rc = main(["check", str(path), f"data.source={source}", f"run.dir={tmp_path}/${{name}}"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    model_line = next(line for line in err.splitlines() if "] model " in line)
+    assert f"snapshots/{HUB_COMMIT}" in model_line
+    assert f"data {source}: 64 prompts" in err  # check reads the first 64 rows; none rejected
+    cfg = load_config(path)
+    assert f"resources: {cfg.rollout.num_actors * cfg.rollout.gpus_per_actor + cfg.learner.world_size * cfg.learner.gpus_per_rank:g} GPUs reserved" in err
+
+
+def test_check_refuses_a_config_asking_for_more_gpus_than_the_cluster_has():
+    from async_april.resolve import ResourceError, check_gpu_resources, gpus_needed
+
+    cfg = load_config(REPO / "configs/recipes/qwen3-4b_dapo_8gpu_april.yaml")
+    assert gpus_needed(cfg) == 8
+    check_gpu_resources(cfg, 8.0)
+    with pytest.raises(ResourceError, match=r"reserves 8 GPUs .* the Ray cluster has 4"):
+        check_gpu_resources(cfg, 4.0)
