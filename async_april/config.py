@@ -53,7 +53,7 @@ class RunConfig(Section):
 
 class ModelConfig(Section):
     path: str = "builtin:tiny-reverse"
-    """A Hugging Face model directory, or `builtin:tiny-reverse` for the locally built tiny Qwen2 (built on first use)."""
+    """A Hugging Face model directory; a hub ID `org/name` or `org/name@revision`, resolved through the Hugging Face cache on every node (downloaded when missing, unless HF_HUB_OFFLINE=1); or `builtin:tiny-reverse` for the locally built tiny Qwen2 (built on first use)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for engines and learner. bfloat16 is for GPUs."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

@@ -55,12 +55,25 @@ def render() -> str:
         section = field.alias or name
         cls: type[BaseModel] = field.annotation
         out.append(f"\n## `{section}`\n\n{field.description}\n")
-        out.append("| key | type | default | bounds | meaning |\n|---|---|---|---|---|")
-        for key, f in cls.model_fields.items():
-            default = f.default if f.default_factory is None else f.default_factory()
-            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
-            out.append(f"| `{section}.{key}` | {_type_name(f.annotation)} | `{default!r}` | {_bounds(f)} | {desc} |")
+        _table(out, section, cls)
     return "\n".join(out) + "\n"
+
+
+def _table(out: list[str], prefix: str, cls: type[BaseModel]) -> None:
+    """One table per section; a nested section (rollout.sglang) gets a table of its own after it."""
+    out.append("| key | type | default | bounds | meaning |\n|---|---|---|---|---|")
+    nested = []
+    for key, f in cls.model_fields.items():
+        desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out.append(f"| `{prefix}.{key}` | section | | | {desc} See `{prefix}.{key}` below. |")
+            nested.append((f"{prefix}.{key}", f.annotation))
+            continue
+        default = f.default if f.default_factory is None else f.default_factory()
+        out.append(f"| `{prefix}.{key}` | {_type_name(f.annotation)} | `{default!r}` | {_bounds(f)} | {desc} |")
+    for name, sub in nested:
+        out.append(f"\n### `{name}`\n\n{(sub.__doc__ or '').strip()}\n")
+        _table(out, name, sub)
 
 
 def main(argv: list[str] | None = None) -> int:

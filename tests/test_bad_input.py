@@ -104,10 +104,15 @@ CASES = [
     ("override-bad-yaml", lambda t: ["CFG", "run.name=[a"], r"override 'run\.name=\[a': the value is not valid YAML"),
     ("overwrite-and-resume", lambda t: ["CFG", "run.overwrite=true", "run.resume=auto"], r"set only one of them"),
     ("reward-timeout-without-workers", lambda t: ["CFG", "reward.timeout_s=5"], r"reward\.timeout_s needs reward\.num_workers >= 1"),
+    ("sglang-moved-key", lambda t: ["CFG", "rollout.retries=3"], r"rollout\.retries has moved: set rollout\.sglang\.retries instead"),
+    ("sglang-original-logprob", lambda t: ["CFG", "ENV:SGLANG_RETURN_ORIGINAL_LOGPROB=1", "rollout.engine=sglang", "rollout.temperature=0.7"],
+     r"SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang report logprobs before temperature scaling.*unset SGLANG_RETURN_ORIGINAL_LOGPROB"),
     # --- model
     ("model-missing", lambda t: ["CFG", "model.path=/nonexistent/model"], r"model\.path '/nonexistent/model' does not exist"),
     ("model-not-builtin", lambda t: ["CFG", "model.path=builtin:nope"], r"model\.path 'builtin:nope' is not a built-in model"),
     ("model-without-config", lambda t: ["CFG", f"model.path={t}"], r"has no config\.json"),
+    ("model-hub-id-not-cached-offline", lambda t: ["CFG", f"ENV:HF_HUB_CACHE={t}/hub", "ENV:HF_HUB_OFFLINE=1", "model.path=Qwen/Qwen3-4B"],
+     r"model\.path 'Qwen/Qwen3-4B' is not in the Hugging Face cache and HF_HUB_OFFLINE is set; fetch it .*`hf download Qwen/Qwen3-4B`"),
     ("model-without-tokenizer", lambda t: ["CFG", f"model.path={model_without_tokenizer(t)}"], r"no usable tokenizer in .*notok"),
     # --- checkpoints to resume
     ("resume-missing", lambda t: ["CFG", "run.resume=/nonexistent/step_00000001"], r"run\.resume='/nonexistent/step_00000001': no such checkpoint"),
