@@ -223,6 +223,10 @@ class LearnerConfig(Section):
     """Clip the global gradient norm to this value."""
     max_tokens_per_microbatch: int = Field(8192, ge=16)
     """Token budget per micro-batch; gradients accumulate across micro-batches."""
+    mini_batches: int = Field(1, ge=1, le=4096)
+    """Optimizer steps per rollout batch (PPO mini-batches): the batch's rows are split into this many
+    consecutive parts, each normalised on its own. With decoupled correction and more than one, the
+    proximal policy is a no-grad forward of the pre-update weights (docs/learner.md)."""
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with NaN/inf loss or gradient (each skipped) before the run stops."""
     activation_checkpointing: bool = False
@@ -304,6 +308,12 @@ class Config(Section):
             )
         if self.run.overwrite and self.run.resume is not None:
             raise ValueError("run.overwrite=true starts from scratch and run.resume continues a run; set only one of them")
+        rows = r.batch_groups * r.n_samples
+        if self.learner.mini_batches > rows:
+            raise ValueError(
+                f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
+                f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
+            )
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
         return self
