@@ -16,7 +16,8 @@ aborted tokens discarded.
     python benchmarks/rollout_throughput.py --engine simulated --steps 8
     python benchmarks/rollout_throughput.py --engine torch --steps 20
 
-Prints a table and writes benchmarks/results/rollout_throughput.json.
+Prints a table and writes benchmarks/results/rollout_throughput.json (rollout_throughput_ENGINE.json
+with --engine).
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
             results += bench_torch(a.steps or 25, Path(tmp))
     add_ratios(results)
     print(table(results))
-    print(f"wrote {write_json('rollout_throughput.json', {'results': results})}")
+    name = "rollout_throughput.json" if a.engine == "both" else f"rollout_throughput_{a.engine}.json"
+    print(f"wrote {write_json(name, {'results': results})}")
 
 
 if __name__ == "__main__":
