@@ -76,9 +76,14 @@ class GenerationActor:
         self.scorer = RewardScorer(cfg.reward)
         self.inflight: dict[str, asyncio.Task] = {}
         self.open = asyncio.Event()
+        """Set while run() may lease; cleared by an early stop or a weight load (see _close)."""
         self.open.set()
+        self._closed = 0
         self.stopping = False
-        self.early_stopping = False
+        self.aborting: set[str] = set()
+        """Uids of requests an abort covers: one that has not reached the engine yet is not sent."""
+        self.early: set[str] = set()
+        """Uids aborted by an early stop: their partials wait for new weights (store.push early_stop)."""
         self.generated_tokens = 0
         self.outbox: list[tuple[Sample, bool]] = []
         """Samples returned by the engine, not yet pushed: (sample, aborted by an early stop)."""
@@ -125,7 +130,9 @@ class GenerationActor:
     async def _generate(self, sample: Sample) -> None:
         r = self.cfg.rollout
         remaining = r.max_new_tokens - sample.num_tokens
-        if remaining > 0:
+        if sample.uid in self.aborting:
+            pass  # aborted before it reached the engine: handed back as it was leased
+        elif remaining > 0:
             req = GenerateRequest(
                 request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/",
                 input_ids=sample.resume_input_ids(),
@@ -147,7 +154,7 @@ class GenerationActor:
             sample.finish_reason = "length"
         if sample.done:
             sample.reward = await self._score(sample)
-        self.outbox.append((sample, self.early_stopping))
+        self.outbox.append((sample, sample.uid in self.early))
 
     async def _score(self, sample: Sample) -> float:
         """Off the engine's path: a process pool when reward.num_workers > 0."""
@@ -156,12 +163,35 @@ class GenerationActor:
         total, sample.reward_parts = await self.scorer.score_async(prompt, response, sample.answer or "", sample.extra)
         return total
 
-    async def _settle(self) -> None:
-        """Wait until every in-flight request has returned and pushed its sample."""
-        while self.inflight:
-            await asyncio.wait(list(self.inflight.values()))
-            self._reap()
+    async def _settle(self, tasks: dict[str, asyncio.Task] | None = None) -> None:
+        """Wait until `tasks` (default: every in-flight request, including any added meanwhile)
+        have returned, then push what they produced."""
+        while waiting := [t for t in (self.inflight if tasks is None else tasks).values() if not t.done()]:
+            await asyncio.wait(waiting)
+        self._reap()
         await self._flush()
+
+    async def _abort_inflight(self) -> dict[str, asyncio.Task]:
+        """Abort the requests in flight now and wait for exactly those. Work leased later (a lease
+        already on its way when leasing closed) is neither aborted nor waited for."""
+        tasks = dict(self.inflight)
+        self.aborting.update(tasks)
+        try:
+            await self.engine.abort_all()
+            await self._settle(tasks)
+        finally:
+            self.aborting.difference_update(tasks)
+        return tasks
+
+    def _close(self) -> None:
+        """Stop leasing until the matching _reopen (an early stop and a weight load may overlap)."""
+        self._closed += 1
+        self.open.clear()
+
+    def _reopen(self) -> None:
+        self._closed -= 1
+        if self._closed == 0:
+            self.open.set()
 
     def _reap(self) -> None:
         """Forget finished requests; re-raise the first failure (engine crash, reward with
@@ -212,25 +242,30 @@ class GenerationActor:
     async def _load(self, load) -> float:
         """Interrupt or drain per config, load, reopen leasing."""
         t0 = time.perf_counter()
-        self.open.clear()
+        self._close()
         try:
             if self.cfg.rollout.on_weight_update == "interrupt":
-                await self.engine.abort_all()
+                while self.inflight:  # a lease on its way when leasing closed lands at most once more
+                    await self._abort_inflight()
             await self._settle()
             await load()
         finally:
-            self.open.set()
+            self._reopen()
         self.weight_load_s = time.perf_counter() - t0
         return self.weight_load_s
 
     async def early_stop(self) -> None:
-        """APRIL: the batch is complete; abort what is in flight, partials wait for new weights."""
-        self.early_stopping = True
+        """APRIL: the batch is complete; abort what is in flight, partials wait for new weights.
+        Waits only for the requests it aborts, with leasing closed meanwhile: the controller blocks
+        on this call, and work that starts after the abort must not hold the learner up."""
+        self._close()
+        snapshot = set(self.inflight)
+        self.early.update(snapshot)
         try:
-            await self.engine.abort_all()
-            await self._settle()
+            await self._abort_inflight()
         finally:
-            self.early_stopping = False
+            self.early.difference_update(snapshot)
+            self._reopen()
 
     async def stop(self) -> None:
         self.stopping = True

@@ -29,6 +29,9 @@ class TrainBatch:
     """One advantage per sequence, broadcast over its response tokens."""
     policy_version: int
     """Learner version the batch is trained at; staleness = policy_version - versions."""
+    proximal_logprobs: list[np.ndarray] | None = None
+    """Per response token, the learner's pre-update policy (decoupled correction with several
+    mini-batches): filled in by the learner, never by the rollout side."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -50,6 +53,7 @@ class TrainBatch:
             versions=[self.versions[i] for i in rows],
             advantages=self.advantages[rows],
             policy_version=self.policy_version,
+            proximal_logprobs=None if self.proximal_logprobs is None else [self.proximal_logprobs[i] for i in rows],
         )
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":

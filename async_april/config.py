@@ -214,7 +214,11 @@ class AsyncConfig(Section):
     max_staleness: int = Field(0, ge=0, le=1000)
     """eta: most policy versions a token may lag the learner; enforced by admission control."""
     stale_policy: Literal["requeue", "drop"] = "requeue"
-    """A group that still exceeds eta when batched: resume it later (requeue) or drop it (counted)."""
+    """A group that still exceeds eta when batched (rare: batches are chosen earliest deadline first):
+    regenerate it from its prompt (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""
+    max_requeues: int = Field(2, ge=0, le=1000)
+    """Times one prompt may be regenerated for staleness; past it the group is dropped (counted in
+    rollout/groups_dropped_requeue_limit), so a prompt whose responses always outlast eta cannot loop."""
 
 
 class AlgorithmConfig(Section):
@@ -279,6 +283,10 @@ class LearnerConfig(Section):
     """Clip the global gradient norm to this value."""
     max_tokens_per_microbatch: int = Field(8192, ge=16)
     """Token budget per micro-batch; gradients accumulate across micro-batches."""
+    mini_batches: int = Field(1, ge=1, le=4096)
+    """Optimizer steps per rollout batch (PPO mini-batches): the batch's rows are split into this many
+    consecutive parts, each normalised on its own. With decoupled correction and more than one, the
+    proximal policy is a no-grad forward of the pre-update weights (docs/learner.md)."""
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with NaN/inf loss or gradient (each skipped) before the run stops."""
     activation_checkpointing: bool = False
@@ -360,6 +368,12 @@ class Config(Section):
             )
         if self.run.overwrite and self.run.resume is not None:
             raise ValueError("run.overwrite=true starts from scratch and run.resume continues a run; set only one of them")
+        rows = r.batch_groups * r.n_samples
+        if self.learner.mini_batches > rows:
+            raise ValueError(
+                f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
+                f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
+            )
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
         return self

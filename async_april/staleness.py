@@ -15,6 +15,12 @@ A second, independent cap bounds the groups launched and not yet trained
 APRIL's over-provisioning. Each step launches over_provision * B groups,
 leftovers included, and nothing refills the pool until a batch is taken, so
 the early stop cuts the round when B of them are complete.
+
+Admission alone does not bound staleness: batches are made of COMPLETE groups,
+so a long group admitted early can be overtaken by newer short ones until its
+oldest token is past eta. Batches are therefore chosen earliest deadline first
+(`is_due`): the store waits for a started group whose deadline is the current
+version rather than fill the batch with newer groups (async_april/store.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ class StalenessController:
         by_staleness = (self.max_staleness + version + 1) * self.batch_groups - admitted
         by_over_provision = self.max_groups_in_flight - untrained
         return max(0, min(by_staleness, by_over_provision))
+
+    def is_due(self, oldest_token_version: int, version: int) -> bool:
+        """Whether a group whose oldest token is that version must be trained at `version` at the
+        latest (its deadline, oldest + eta, has come): one batch later it would exceed eta."""
+        return oldest_token_version >= 0 and oldest_token_version + self.max_staleness <= version
 
     def is_stale(self, oldest_token_version: int, version: int) -> bool:
         """Whether a group whose oldest token is that version exceeds eta if trained at `version`."""

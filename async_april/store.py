@@ -44,7 +44,10 @@ class _Counters:
     aborted_tokens_reused: int = 0
     aborted_tokens_discarded: int = 0
     stale_tokens_discarded: int = 0
+    requeue_limit_groups: int = 0
     actor_failures: int = 0
+    wasted_tokens: Counter = field(default_factory=Counter)
+    """Generated tokens that will never be trained, by reason: stale (requeued or dropped past eta), filtered."""
     extra: Counter = field(default_factory=Counter)
 
 
@@ -55,6 +58,7 @@ class RolloutStore:
         self.batch_groups = cfg.rollout.batch_groups
         self.dynamic_sampling = cfg.rollout.dynamic_sampling
         self.stale_policy = cfg.async_.stale_policy
+        self.max_requeues = cfg.async_.max_requeues
         self.controller = StalenessController(cfg.rollout.batch_groups, cfg.async_.max_staleness, cfg.rollout.over_provision)
         self.version = 0
         self.cursor = 0
@@ -74,6 +78,8 @@ class RolloutStore:
         self.dropped: list[int] = []
         self.skipped: list[int] = []
         """Batched, but the learner skipped the step (non-finite loss/gradient): consumed, not trained."""
+        self.requeues: dict[int, int] = {}
+        """Times each prompt was regenerated for staleness (bounded by async.max_requeues)."""
         self.counters = _Counters()
 
     # -- work out ---------------------------------------------------------
@@ -158,7 +164,7 @@ class RolloutStore:
         if self.dynamic_sampling and self.n > 1 and np.ptp(rewards) <= 1e-6:
             self.filtered.append(group.prompt_index)
             self.counters.filtered_groups += 1
-            self._discard_aborted(group)
+            self._waste(group, "filtered")
             return
         self.completed.append(group)
 
@@ -179,11 +185,11 @@ class RolloutStore:
     def try_get_batch(self) -> list[Group] | None:
         """B complete groups within the staleness bound, or None if not enough yet."""
         self._apply_stale_policy()
-        if len(self.completed) < self.batch_groups:
+        if len(self.completed) < self.batch_groups or self._waiting_for_due_groups():
             return None
-        # Oldest tokens first (completion order among equals): a group that finished late
-        # because one of its responses was long is trained before it crosses eta, instead
-        # of being overtaken by newer short groups and regenerated.
+        # Earliest deadline (oldest token) first, completion order among equals: a group that
+        # finished late because one of its responses was long is trained before it crosses eta,
+        # instead of being overtaken by newer short groups and regenerated.
         chosen = {id(g) for g in sorted(self.completed, key=self._group_age_key)[: self.batch_groups]}  # stable sort
         batch = [g for g in self.completed if id(g) in chosen]
         self.completed = deque(g for g in self.completed if id(g) not in chosen)
@@ -192,6 +198,22 @@ class RolloutStore:
             self.counters.aborted_tokens_reused += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
         self.counters.trained_groups += len(batch)
         return batch
+
+    def _waiting_for_due_groups(self) -> bool:
+        """Earliest deadline first, across unfinished groups too: while a started group is due at
+        this version (trained now, or past eta at the next) and can still finish, the batch waits
+        for it instead of training newer complete groups, unless B due groups are complete already.
+        Generation continues meanwhile (partials resume first, oldest first), so the wait is the
+        group's remaining tail; regenerating it would cost its whole length again."""
+        v = self.version
+        if not any(self.controller.is_due(g.min_version(), v) and self._can_finish(g) for g in self.open_groups.values()):
+            return False
+        return sum(self.controller.is_due(g.min_version(), v) for g in self.completed) < self.batch_groups
+
+    def _can_finish(self, g: Group) -> bool:
+        """False while one of its partials is held for weights newer than the current version (an
+        early stop's partial after a skipped learner step): waiting for it would wait forever."""
+        return all(self.hold_until.get(s.uid, -1) < self.version for s in g.samples)
 
     def _group_age_key(self, g: Group) -> int:
         v = g.min_version()
@@ -203,25 +225,36 @@ class RolloutStore:
             if not self.controller.is_stale(g.min_version(), self.version):
                 keep.append(g)
             elif self.stale_policy == "drop":
-                self.dropped.append(g.prompt_index)
-                self.counters.dropped_groups += 1
-                self._discard_aborted(g)
+                self._drop(g)
+            elif self.requeues.get(g.prompt_index, 0) >= self.max_requeues:
+                self.counters.requeue_limit_groups += 1
+                self._drop(g)
             else:
                 self._requeue(g)
         self.completed = keep
 
-    def _requeue(self, g: Group) -> None:
-        """Regenerate a too-stale group from its prompt, first in line, so hard prompts are not starved."""
-        self.counters.requeued_groups += 1
+    def _drop(self, g: Group) -> None:
+        self.dropped.append(g.prompt_index)
+        self.counters.dropped_groups += 1
         self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
-        self._discard_aborted(g)
+        self._waste(g, "stale")
+
+    def _requeue(self, g: Group) -> None:
+        """Regenerate a too-stale group from its prompt, first in line, so hard prompts are not starved
+        (at most async.max_requeues times per prompt, then it is dropped)."""
+        self.counters.requeued_groups += 1
+        self.requeues[g.prompt_index] = self.requeues.get(g.prompt_index, 0) + 1
+        self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
+        self._waste(g, "stale")
         fresh = [Sample(prompt_index=g.prompt_index, sample_index=s.sample_index, prompt_ids=s.prompt_ids, answer=s.answer, extra=s.extra)
                  for s in g.samples]
         self.open_groups[g.prompt_index] = Group(prompt_index=g.prompt_index, samples=fresh)
         self.fresh.extendleft((g.prompt_index, i) for i in reversed(range(self.n)))
 
-    def _discard_aborted(self, g: Group) -> None:
-        """A group that will not be trained (filtered, dropped, requeued): its aborted tokens are discarded."""
+    def _waste(self, g: Group, reason: str) -> None:
+        """A group that will not be trained (filtered, dropped, requeued): its tokens are wasted, its
+        aborted tokens discarded."""
+        self.counters.wasted_tokens[reason] += sum(s.num_tokens for s in g.samples)
         self.counters.aborted_tokens_discarded += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
 
     def mark_skipped(self, prompt_indices: list[int]) -> None:
@@ -280,6 +313,10 @@ class RolloutStore:
             "rollout/aborted_tokens_pending": sum(self.aborted_len.values()),
             "rollout/aborted_tokens_discarded": c.aborted_tokens_discarded,
             "rollout/stale_tokens_discarded": c.stale_tokens_discarded,
+            "rollout/wasted_tokens": sum(c.wasted_tokens.values()),
+            "rollout/wasted_tokens/stale": c.wasted_tokens["stale"],
+            "rollout/wasted_tokens/filtered": c.wasted_tokens["filtered"],
+            "rollout/groups_dropped_requeue_limit": c.requeue_limit_groups,
             "rollout/partial_buffer": len(self.partials),
             "rollout/completed_waiting": len(self.completed),
             "rollout/leased": sum(len(h) for h in self.leases.values()),
@@ -294,7 +331,7 @@ class RolloutStore:
         }
 
     # -- checkpointing --------------------------------------------------------
-    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "n", "batch_groups", "_changed")
+    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "max_requeues", "n", "batch_groups", "_changed")
 
     def state_dict(self) -> dict:
         """Everything needed to continue. Leased samples are saved as the store last saw

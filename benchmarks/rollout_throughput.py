@@ -7,14 +7,17 @@ distributions (`april`: 16k-token limit with a long tail that hits it;
 torch engine with the tiny model around the real FSDP2 learner. Reported per
 mode: useful tokens/s (response tokens trained per wall second, after a
 warm-up step), engine idle fraction, utilisation (generated tokens/s over the
-engine's steady state at full concurrency, measured in the same run) and the
-ratio to sync.
+engine's steady state at full concurrency, measured in the same run), the
+ratio to sync, and waste over the whole run: the share of generated tokens
+that will never be trained (`rollout/wasted_tokens`), aborted tokens and
+aborted tokens discarded.
 
     python benchmarks/rollout_throughput.py                      # both engines
     python benchmarks/rollout_throughput.py --engine simulated --steps 8
     python benchmarks/rollout_throughput.py --engine torch --steps 20
 
-Prints a table and writes benchmarks/results/rollout_throughput.json.
+Prints a table and writes benchmarks/results/rollout_throughput.json (rollout_throughput_ENGINE.json
+with --engine).
 """
 
 from __future__ import annotations
@@ -42,9 +45,21 @@ SIM_WORKLOADS = {
 
 
 def summarize(rows: list[dict], warmup: int) -> dict[str, float]:
+    generated, trained, last = sum(r["rollout/generated_tokens"] for r in rows), sum(r["rollout/tokens"] for r in rows), rows[-1]
+    waste = {  # over the whole run, warm-up included: every generated token is trained, waiting, or wasted
+        "generated_tokens": generated,
+        "trained_tokens": trained,
+        "wasted_tokens": last["rollout/wasted_tokens"],
+        "wasted_frac": last["rollout/wasted_tokens"] / generated,
+        "not_yet_trained_frac": (generated - trained) / generated,  # wasted + still in flight at the end
+        "aborted_tokens": last["rollout/aborted_tokens"],
+        "aborted_tokens_discarded": last["rollout/aborted_tokens_discarded"],
+        "groups_requeued_stale": last["rollout/groups_requeued_stale"],
+    }
     rows = rows[warmup:]
     wall = sum(r["timing_s/step"] for r in rows)
     return {
+        **waste,
         "useful_tokens_per_s": sum(r["rollout/tokens"] for r in rows) / wall,
         "generated_tokens_per_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
         "engine_idle_frac": statistics.mean(r["perf/engine_idle_frac"] for r in rows),
@@ -167,11 +182,13 @@ def add_ratios(results: list[dict]) -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'engine':<10}{'workload':<14}{'mode':<7}{'useful tok/s':>13}{'x sync':>8}{'idle':>7}{'util':>7}{'stale':>6}"
+    head = (f"{'engine':<10}{'workload':<14}{'mode':<7}{'useful tok/s':>13}{'x sync':>8}{'idle':>7}{'util':>7}{'stale':>6}"
+            f"{'wasted':>8}{'aborted':>9}{'discarded':>10}")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(f"{r['engine']:<10}{r['workload']:<14}{r['mode']:<7}{r['useful_tokens_per_s']:>13.0f}"
-                     f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{r['utilisation']:>7.2f}{r['staleness_max']:>6}")
+                     f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{r['utilisation']:>7.2f}{r['staleness_max']:>6}"
+                     f"{r['wasted_frac']:>8.1%}{r['aborted_tokens']:>9}{r['aborted_tokens_discarded']:>10}")
     return "\n".join(lines)
 
 
@@ -188,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
             results += bench_torch(a.steps or 25, Path(tmp))
     add_ratios(results)
     print(table(results))
-    print(f"wrote {write_json('rollout_throughput.json', {'results': results})}")
+    name = "rollout_throughput.json" if a.engine == "both" else f"rollout_throughput_{a.engine}.json"
+    print(f"wrote {write_json(name, {'results': results})}")
 
 
 if __name__ == "__main__":

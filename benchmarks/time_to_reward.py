@@ -9,7 +9,9 @@ ratio of each median to sync's. A PNG plots reward against wall time.
     python benchmarks/time_to_reward.py                         # 3 modes x 2 seeds
     python benchmarks/time_to_reward.py --seeds 1234 7 --steps 200 --target 0.55
     python benchmarks/time_to_reward.py --modes sync async --seeds 1234 7 42
-    python benchmarks/time_to_reward.py --ablation              # async eta 4 / 8, correction on vs off
+    python benchmarks/time_to_reward.py --ablation --seeds 1234 7 42 --steps 160
+        # sync and async at eta 4: correction direct / decoupled / decoupled with 4 mini-batches / none
+    python benchmarks/time_to_reward.py --ablation --with-modes ...   # the async preset too (one run)
 
 Writes benchmarks/results/time_to_reward.json (or correction_ablation.json) and a PNG beside it.
 """
@@ -40,6 +42,8 @@ def run_one(label: str, mode: str, seed: int, steps: int, target: float, tmp: Pa
         "wall_s": curve[-1][0],
         "step_s_median": statistics.median(r["timing_s/step"] for r in rows),
         "staleness_max": max(r["staleness/max"] for r in rows),
+        "wasted_frac": rows[-1]["rollout/wasted_tokens"] / sum(r["rollout/generated_tokens"] for r in rows),
+        "clip_frac_mean": statistics.mean(r.get("loss/clip_frac", 0.0) for r in rows),
         "curve": curve,
     }
 
@@ -57,6 +61,9 @@ def summarize(runs: list[dict], baseline: str) -> list[dict]:
             "reached": f"{len(reached)}/{len(rs)}",
             "final_reward_median": statistics.median(r["final_reward"] for r in rs),
             "final_reward_per_seed": {r["seed"]: round(r["final_reward"], 4) for r in rs},
+            "time_to_target_per_seed": {r["seed"]: r["time_to_target_s"] for r in rs},
+            "wasted_frac_max": max(r["wasted_frac"] for r in rs),
+            "clip_frac_mean": statistics.mean(r["clip_frac_mean"] for r in rs),
             "step_s_median": statistics.median(r["step_s_median"] for r in rs),
         })
     base = next((s for s in out if s["label"] == baseline), None)
@@ -67,12 +74,15 @@ def summarize(runs: list[dict], baseline: str) -> list[dict]:
 
 
 def table(summary: list[dict], target: float, baseline: str) -> str:
-    head = f"{'run':<26}{'time to ' + str(target):>14}{'reached':>9}{'x ' + baseline:>9}{'final reward':>14}{'step s':>8}"
+    head = (f"{'run':<26}{'time to ' + str(target):>14}{'reached':>9}{'x ' + baseline:>9}{'final reward':>14}"
+            f"{'per seed':>24}{'step s':>8}{'clip':>7}{'wasted':>8}")
     lines = [head, "-" * len(head)]
     for s in summary:
         t = f"{s['time_to_target_s_median']:.0f}s" if s["time_to_target_s_median"] else "-"
         ratio = f"{s['time_vs_baseline']:.2f}" if "time_vs_baseline" in s else "-"
-        lines.append(f"{s['label']:<26}{t:>14}{s['reached']:>9}{ratio:>9}{s['final_reward_median']:>14.3f}{s['step_s_median']:>8.2f}")
+        per_seed = " / ".join(f"{v:.3f}" for v in s["final_reward_per_seed"].values())
+        lines.append(f"{s['label']:<26}{t:>14}{s['reached']:>9}{ratio:>9}{s['final_reward_median']:>14.3f}{per_seed:>24}"
+                     f"{s['step_s_median']:>8.2f}{s['clip_frac_mean']:>7.3f}{s['wasted_frac_max']:>8.1%}")
     return "\n".join(lines)
 
 
@@ -82,16 +92,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--target", type=float, default=0.55)
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (sync is the baseline)")
-    ap.add_argument("--ablation", action="store_true", help="async at eta 4 and 8, correction direct vs none")
+    ap.add_argument("--ablation", action="store_true",
+                    help="sync and async at eta 4: correction direct, decoupled (1 and 4 mini-batches), none")
+    ap.add_argument("--with-modes", action="store_true", help="with --ablation: also the async preset (time to reward)")
     a = ap.parse_args(argv)
+    plans = [(mode, mode, []) for mode in MODES if mode in a.modes]
+    baseline, name = "sync", "time_to_reward"
     if a.ablation:
-        plans = [(f"async eta{eta} {corr}", "async", [f"async.max_staleness={eta}", f"rollout.over_provision={eta + 1}",
-                                                       f"algorithm.correction={corr}"])
-                 for eta in (4, 8) for corr in ("direct", "none")]
-        baseline, name = "async eta4 direct", "correction_ablation"
-    else:
-        plans = [(mode, mode, []) for mode in MODES if mode in a.modes]
-        baseline, name = "sync", "time_to_reward"
+        eta4 = ["async.max_staleness=4", "rollout.over_provision=5"]
+        plans = [("sync", "sync", [])] + [
+            (label, "async", eta4 + extra) for label, extra in [
+                ("async eta4 direct", ["algorithm.correction=direct"]),
+                ("async eta4 decoupled", ["algorithm.correction=decoupled"]),
+                ("async eta4 decoupled 4mb", ["algorithm.correction=decoupled", "learner.mini_batches=4"]),
+                ("async eta4 none", ["algorithm.correction=none"]),
+            ]
+        ]
+        name = "correction_ablation"
+        if a.with_modes:  # the time-to-reward runs too, sharing the sync runs
+            plans.insert(1, ("async", "async", []))
     runs = []
     with tempfile.TemporaryDirectory(prefix="aa-ttr-") as tmp:
         for seed in a.seeds:

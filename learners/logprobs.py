@@ -20,6 +20,18 @@ CHUNK_TOKENS = 2048
 """Positions per chunk in `token_logprobs`: bounds the fp32 [chunk, vocab] temporaries."""
 
 
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position, fp32, shape logits.shape[:-1]; no gradient.
+    Chunked like `token_logprobs`: H = logsumexp(z) - sum(softmax(z) * z)."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    out = []
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], CHUNK_TOKENS):
+            z = flat[start : start + CHUNK_TOKENS].float() / temperature
+            out.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
+    return torch.cat(out).reshape(logits.shape[:-1]) if out else logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature)[..., targets] in fp32, shape of `targets`.
 
@@ -58,6 +70,8 @@ class MicroBatch:
     """[B, Tresp] exactly as recorded by the engines (zero on padding)."""
     advantages: torch.Tensor
     """[B]"""
+    proximal_logprobs: torch.Tensor | None = None
+    """[B, Tresp] the pre-update policy's logprobs when the step has several mini-batches (zero on padding)."""
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +89,7 @@ def collate(
     advantages: np.ndarray,
     device: torch.device | str = "cpu",
     pad_id: int = 0,
+    proximal_logprobs: list[np.ndarray] | None = None,
 ) -> MicroBatch:
     """Right-pad a list of rows into a `MicroBatch`."""
     n = len(input_ids)
@@ -92,11 +107,19 @@ def collate(
         rmask[i, : len(b)] = 1.0
         blp[i, : len(b)] = b
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return MicroBatch(t(ids), t(attn), t(np.asarray(prompt_lens, np.int64)), t(rmask), t(blp), t(np.asarray(advantages, np.float32)))
+    prox = None
+    if proximal_logprobs is not None:
+        prox = np.zeros((n, resp_len), np.float32)
+        for i, x in enumerate(proximal_logprobs):
+            prox[i, : len(x)] = x
+        prox = t(prox)
+    return MicroBatch(t(ids), t(attn), t(np.asarray(prompt_lens, np.int64)), t(rmask), t(blp),
+                      t(np.asarray(advantages, np.float32)), prox)
 
 
-def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """Logprobs [B, Tresp] of each row's response tokens under `model`, zero on padding.
+def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False):
+    """Logprobs [B, Tresp] of each row's response tokens under `model`, zero on padding; with
+    `with_entropy`, also (no gradient) the entropy of the policy at each response token, [B, Tresp].
 
     Only the logits from the first response-predicting position on are
     computed (`logits_to_keep`), so long prompts cost no vocab projection.
@@ -115,4 +138,7 @@ def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> t
     lp = token_logprobs(logits, targets, temperature)  # [B, keep]
     offs = (mb.prompt_lens - 1 - first).unsqueeze(1) + torch.arange(resp_len, device=lp.device).unsqueeze(0)
     offs = offs.clamp(max=keep - 1)
-    return lp.gather(1, offs) * mb.response_mask
+    out = lp.gather(1, offs) * mb.response_mask
+    if not with_entropy:
+        return out
+    return out, token_entropy(logits, temperature).gather(1, offs) * mb.response_mask

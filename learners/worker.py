@@ -4,13 +4,17 @@ A plain class: `LearnerGroup` wraps it in one Ray actor per rank, and it also
 runs under torchrun or in a single process (world_size=1) for tests.
 
     train_step(batch):
-        rows of this rank = batch.shard(rank, world)      global_tokens / sequences from the FULL batch
-        micro-batches by token budget (same count on every rank; empty ones run a zero-loss forward)
-        for each micro-batch: logprobs (grad) [+ proximal = logprobs.detach()] [+ ref, no grad]
-                              loss = policy_loss(..., behaviour logprobs exactly as sampled)
-                              loss.backward()            FSDP2 reduce-scatters, SUM over ranks
-        clip grad norm -> finite?  optimizer + scheduler step, version += 1
-                                   else skip (zero grads), count consecutive bad steps
+        mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)
+        rows of this rank = mini.shard(rank, world)        global_tokens / sequences from the FULL mini-batch
+        [decoupled/none, several mini-batches: proximal logprobs of every row, no grad, pre-update weights]
+        for each mini-batch:
+          micro-batches by token budget (same count on every rank; empty ones run a zero-loss forward)
+          for each micro-batch: logprobs (grad) + entropy [+ proximal: precomputed, or logprobs.detach()
+                                with one mini-batch] [+ ref, no grad]
+                                loss = policy_loss(..., behaviour logprobs exactly as sampled)
+                                loss.backward()            FSDP2 reduce-scatters, SUM over ranks
+          clip grad norm -> finite?  optimizer step  else skip it (zero grads), count consecutive bad ones
+        scheduler step and version += 1 unless every mini-batch was skipped
 
 Every method that touches the model is collective: call it on all ranks.
 """
@@ -18,6 +22,7 @@ Every method that touches the model is collective: call it on all ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import resource
@@ -34,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from learners import checkpoint as ckpt
 from learners.logprobs import collate, response_logprobs
+from learners.update import mean_over_mini_batches, needs_proximal_forward, split_mini_batches
 from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
 from learners.weight_sync import TensorSpec, plan_buckets
 
@@ -166,14 +172,53 @@ class LearnerWorker:
     # ------------------------------------------------------------------ train
 
     def train_step(self, batch: "TrainBatch") -> dict[str, float]:
-        """One optimizer update on `batch` (the FULL step batch; each rank takes its shard)."""
-        from async_april.algorithms.losses import policy_loss
-
+        """`learner.mini_batches` optimizer updates on `batch` (the FULL step batch; each rank trains
+        its shard of every mini-batch). Bumps the version unless every update was skipped."""
         t0 = time.perf_counter()
         if len(batch) == 0 or batch.num_response_tokens == 0:
             raise ValueError("train_step got a batch with no response tokens")
-        global_tokens, global_sequences = float(batch.num_response_tokens), float(len(batch))
-        local = batch.shard(self.rank, self.world_size)
+        lc = self.cfg.learner
+        minis = split_mini_batches(batch, lc.mini_batches)  # identical on every rank
+        parts = [m.shard(self.rank, self.world_size) for m in minis]
+        if needs_proximal_forward(self.cfg.algorithm.correction, lc.mini_batches):
+            parts = [self._with_proximal(p) for p in parts]  # all of it before the first update
+        lr = self.scheduler.get_last_lr()[0]
+        inject_nan = self.step + 1 in self._inject_nan_steps
+        per_mini = [self._update(mini, part, inject_nan) for mini, part in zip(minis, parts)]
+        stepped = sum(not m.pop("_skipped") for m in per_mini)
+        bad = stepped == 0
+        if not bad:
+            self.scheduler.step()  # per rollout batch: warmup_steps counts learner steps, not mini-batches
+            self.version += 1
+        self.step += 1
+        elapsed = time.perf_counter() - t0
+        all_tokens = sum(m.pop("_forward_tokens") for m in per_mini)
+        peak_mem_gb = max(m.pop("_peak_mem_gb") for m in per_mini)
+        out = mean_over_mini_batches(per_mini)
+        out.update({
+            "train/lr": lr,
+            "train/policy_version": float(self.version),
+            "train/bad_step": float(bad),
+            "train/consecutive_bad_steps": float(self.bad_steps),
+            "train/response_tokens": float(batch.num_response_tokens),
+            "train/mini_batches": float(len(minis)),
+            "train/optimizer_steps": float(stepped),
+            "perf/learner_tokens_per_s": all_tokens / elapsed,
+            "perf/peak_mem_gb": peak_mem_gb,
+            "timing_s/train": elapsed,
+        })  # fmt: skip
+        if self.device.type == "cuda":
+            peak = peak_flops(torch.cuda.get_device_name(self.device))
+            if peak:
+                out["perf/mfu"] = 6.0 * self.num_params * all_tokens / elapsed / (peak * self.world_size)
+        return out
+
+    def _update(self, mini: "TrainBatch", local: "TrainBatch", inject_nan: bool) -> dict[str, float]:
+        """One optimizer step on mini-batch `mini`, of which this rank trains `local`. The loss is
+        normalised by the whole mini-batch's tokens and sequences (all micro-batches, all ranks)."""
+        from async_april.algorithms.losses import policy_loss
+
+        global_tokens, global_sequences = float(mini.num_response_tokens), float(len(mini))
         lengths = np.array([len(x) for x in local.input_ids], np.int64)
         groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
@@ -188,25 +233,27 @@ class LearnerWorker:
             if i >= len(groups):
                 self._zero_loss_backward()  # keeps FSDP collectives in step with ranks that have more rows
                 continue
-            sub = local.select(groups[i])
-            mb = collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id)
+            mb = self._collate(local.select(groups[i]))
             tokens += mb.num_tokens
             ref_lp = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_lp = response_logprobs(self.ref_model, mb, temperature)
-            logprobs = response_logprobs(self.model, mb, temperature)
-            # One optimizer update per batch: the pre-update (proximal) policy IS the current
-            # parameters, so its logprobs are these values without gradient -- no second forward.
-            prox = logprobs.detach() if decoupled else None
+            logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)
+            prox = mb.proximal_logprobs
+            if prox is None and decoupled:
+                # One update per batch: the pre-update (proximal) policy IS the current parameters,
+                # so its logprobs are these values without gradient -- no second forward.
+                prox = logprobs.detach()
             loss, metrics = policy_loss(
                 logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, self.loss_settings,
                 global_tokens, global_sequences, proximal_logprobs=prox, ref_logprobs=ref_lp,
             )  # fmt: skip
-            if i == 0 and self.step + 1 in self._inject_nan_steps:
+            if i == 0 and inject_nan:
                 loss = loss * float("nan")  # test hook, see INJECT_NAN_ENV
             loss.backward()
             loss_sum += loss.detach().double().cpu()
+            metrics["loss/entropy"] = entropy.sum() / mb.response_mask.sum().clamp(min=1)
             per_micro.append({k: float(v) for k, v in metrics.items()})
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
@@ -217,46 +264,53 @@ class LearnerWorker:
             {"micro": per_micro, "loss": float(loss_sum), "tokens": tokens, "peak_mem_gb": self.peak_mem_gb()}
         )
         total_loss = sum(g["loss"] for g in gathered)
-        bad = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
-        if bad:
+        skipped = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
+        if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
             if self.bad_steps >= self.cfg.learner.max_bad_steps:
                 raise RuntimeError(
                     f"{self.bad_steps} consecutive learner steps had a non-finite loss ({total_loss}) or gradient "
                     f"norm ({grad_norm}) and were skipped; stopping (learner.max_bad_steps="
-                    f"{self.cfg.learner.max_bad_steps}). Check advantages/rewards for NaN, lower learner.lr, "
-                    "or raise learner.max_bad_steps"
+                    f"{self.cfg.learner.max_bad_steps}, counted per optimizer step). Check advantages/rewards "
+                    "for NaN, lower learner.lr, or raise learner.max_bad_steps"
                 )
         else:
-            lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
-            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.version += 1
             self.bad_steps = 0
-        self.step += 1
-        elapsed = time.perf_counter() - t0
         out = merge_rank_metrics([m for g in gathered for m in g["micro"]])
-        all_tokens = sum(g["tokens"] for g in gathered)
         out.update({
             "loss/total": total_loss,
             "train/grad_norm": grad_norm,
-            "train/lr": self.scheduler.get_last_lr()[0] if bad else lr,
-            "train/policy_version": float(self.version),
-            "train/bad_step": float(bad),
-            "train/consecutive_bad_steps": float(self.bad_steps),
-            "train/response_tokens": global_tokens,
             "train/micro_batches": float(n_micro),
-            "perf/learner_tokens_per_s": all_tokens / elapsed,
-            "perf/peak_mem_gb": max(g["peak_mem_gb"] for g in gathered),
-            "timing_s/train": elapsed,
+            "_peak_mem_gb": max(g["peak_mem_gb"] for g in gathered),
+            "_skipped": skipped,
+            "_forward_tokens": sum(g["tokens"] for g in gathered),
         })  # fmt: skip
-        if self.device.type == "cuda":
-            peak = peak_flops(torch.cuda.get_device_name(self.device))
-            if peak:
-                out["perf/mfu"] = 6.0 * self.num_params * all_tokens / elapsed / (peak * self.world_size)
         return out
+
+    def _with_proximal(self, local: "TrainBatch") -> "TrainBatch":
+        """`local` with the current (pre-update) policy's logprob of every response token: no-grad
+        forwards over the same micro-batches as training. Collective: every rank runs as many."""
+        lengths = np.array([len(x) for x in local.input_ids], np.int64)
+        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch)
+        n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
+        prox: list[np.ndarray | None] = [None] * len(local)
+        with torch.no_grad():
+            for i in range(n_micro):
+                if i >= len(groups):
+                    self.model(input_ids=torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device), use_cache=False)
+                    continue
+                sub = local.select(groups[i])
+                lp = response_logprobs(self.model, self._collate(sub), self.cfg.rollout.temperature).float().cpu().numpy()
+                for j, row in enumerate(groups[i]):
+                    prox[row] = lp[j, : len(sub.behavior_logprobs[j])]
+        return dataclasses.replace(local, proximal_logprobs=prox)
+
+    def _collate(self, sub: "TrainBatch"):
+        return collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id,
+                       proximal_logprobs=sub.proximal_logprobs)
 
     def _zero_loss_backward(self) -> None:
         dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from async_april.algorithms.advantages import (
+    ESTIMATORS,
     compute_advantages,
     drgrpo_advantages,
     grpo_advantages,
@@ -27,6 +28,25 @@ def test_grpo_known_values_uses_biased_std():
 def test_grpo_constant_group_is_zero():
     r = torch.full((2, 4), 0.7, dtype=torch.float64)
     assert torch.equal(grpo_advantages(r, EPS), torch.zeros_like(r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_equal_reward_groups_give_exactly_zero(dtype, estimator):
+    """Regression: in float32 the mean of 8 x 0.6 is not exactly 0.6, std is ~|delta| and GRPO gave
+    delta / (|delta| + eps) = +0.056 to every response; 16 x 0.9 gave -0.056. Every value a
+    fractional reward can take, any group size, both dtypes, torch and numpy: exactly 0."""
+    values = torch.linspace(0.0, 1.0, 101, dtype=torch.float64).to(dtype)
+    for n in (2, 3, 8, 16, 17):
+        r = values[:, None].expand(-1, n).contiguous()
+        out = compute_advantages(r, estimator, EPS)
+        assert torch.equal(out, torch.zeros_like(r)), (n, out.abs().max())
+        out_np = compute_advantages(r.numpy(), estimator, EPS)
+        assert np.array_equal(out_np, np.zeros_like(out_np)) and out_np.dtype == r.numpy().dtype
+    # A group with distinct rewards next to an equal one is untouched by the fix.
+    mixed = torch.tensor([[0.6] * 8, [0.0, 1.0] * 4], dtype=dtype)
+    out = compute_advantages(mixed, estimator, EPS)
+    assert torch.equal(out[0], torch.zeros(8, dtype=dtype)) and out[1].abs().min() > 0.4
 
 
 def test_drgrpo_known_values():

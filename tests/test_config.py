@@ -46,6 +46,7 @@ def test_presets_set_the_modes():
         ("learner.lr=fast", "learner.lr"),
         ("algorithm.correction=magic", "algorithm.correction"),
         ("nosection.x=1", "nosection"),
+        ("learner.mini_batches=4000", "learner.mini_batches"),
     ],
 )
 def test_bad_values_name_the_key_and_value(override, named):

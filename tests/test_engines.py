@@ -11,6 +11,7 @@ Every engine runs with EOS ignored so responses run to max_new_tokens unless abo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -309,3 +310,103 @@ def test_make_engine_picks_backend(model_dir):
     cfg.rollout.engine = "sglang"
     cfg.rollout.sglang.url = "http://127.0.0.1:1"
     assert isinstance(make_engine(cfg, model_dir), SGLangEngine)
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class ScriptedStore:
+    """STAND-IN for the RolloutStore actor handle (`lease_async.remote(...)` / `push_async.remote(...)`
+    are awaitable, as Ray's ObjectRefs are). The first lease gets `first`; the next one is answered
+    only once the engine has applied the early stop's abort, with `late`: the race in which a lease
+    lands after the abort. Every push is recorded with the time it arrived."""
+
+    def __init__(self, first: list, late, aborted: asyncio.Event):
+        self.first, self.late, self.aborted = list(first), late, aborted
+        self.pushes: list[tuple[float, bool, list]] = []
+        self.lease_async, self.push_async = _Remote(self._lease), _Remote(self._push)
+
+    async def _lease(self, actor_id, max_items, engine_version):
+        if self.first:
+            out, self.first = self.first[:max_items], self.first[max_items:]
+            return out
+        if self.late is not None:
+            await self.aborted.wait()
+            out, self.late = [self.late], None
+            return out
+        return []
+
+    async def _push(self, actor_id, samples, early_stop=False):
+        self.pushes.append((time.monotonic(), early_stop, samples))
+
+
+class AbortSignalling:
+    """Delegates to an engine. Its abort_all sets `aborted` once the abort is applied and returns
+    only after a request sent after the abort has reached the engine: the race made certain.
+    Requests run to max_new_tokens (stop token -1 never matches), like the harness's ignore_eos."""
+
+    def __init__(self, engine, aborted: asyncio.Event):
+        self.inner, self.aborted = engine, aborted
+        self.late_sent = asyncio.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate(self, request: GenerateRequest):
+        request.sampling = dataclasses.replace(request.sampling, stop_token_ids=(-1,))
+        if self.aborted.is_set():
+            asyncio.get_running_loop().call_later(0.05, self.late_sent.set)  # once its request is on its way
+        return await self.inner.generate(request)
+
+    async def abort_all(self):
+        await self.inner.abort_all()
+        self.aborted.set()
+        await asyncio.wait_for(self.late_sent.wait(), 10)
+
+
+EARLY_MAX = 200
+
+
+async def _early_stop_with_a_late_lease(h: Harness):
+    from actors.generation import GenerationActor
+    from async_april.config import config_from_dict
+    from async_april.trajectory import Sample
+
+    cfg = config_from_dict({"rollout": {"concurrency": 8, "max_new_tokens": EARLY_MAX}})
+    mk = lambda p: Sample(prompt_index=p, sample_index=0, prompt_ids=np.asarray(PROMPT, np.int64), answer="1")  # noqa: E731
+    aborted = asyncio.Event()
+    store = ScriptedStore([mk(p) for p in range(4)], mk(99), aborted)
+    actor = GenerationActor(cfg, "gen0", store, h.model_path, engine=AbortSignalling(h.engine, aborted))
+    loop = asyncio.create_task(actor.run())
+    try:
+        await wait_tokens(h, 20)
+        await actor.early_stop()
+        returned = time.monotonic()
+        late_task = actor.inflight.get("p99-s0")
+        late_running = late_task is not None and not late_task.done()
+        t0 = time.monotonic()
+        while not any(s.uid == "p99-s0" for _, _, ss in store.pushes for s in ss) and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.02)
+    finally:
+        await actor.stop()
+        loop.cancel()
+    return returned, late_running, store.pushes
+
+
+@pytest.mark.parametrize("harness", ["torch", "sglang-standin"], indirect=True)
+def test_early_stop_never_waits_for_a_request_started_after_the_abort(harness):
+    """Regression: early_stop aborted what was in flight, then waited `while self.inflight`, while
+    run() kept leasing; a lease landing after the abort added a request that early stop then waited
+    for, to its end, with old weights (the long-tail stall APRIL exists to remove). Now it waits
+    for exactly the requests it aborted, and leasing is closed meanwhile."""
+    returned, late_running, pushes = run(_early_stop_with_a_late_lease, harness)
+    assert late_running, "early_stop returned only after the late request had finished"
+    aborted = [(t, early, s) for t, early, ss in pushes for s in ss if s.prompt_index < 4]
+    assert len(aborted) == 4 and all(early and s.finish_reason == "abort" and t <= returned for t, early, s in aborted)
+    late = [(t, early, s) for t, early, ss in pushes for s in ss if s.prompt_index == 99]
+    assert len(late) == 1
+    t, early, s = late[0]
+    assert t > returned and not early, "the late request is not the early stop's: it is pushed as ordinary work"
+    assert s.finish_reason == "length" and s.num_tokens == EARLY_MAX, "the late request was not aborted"

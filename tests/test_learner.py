@@ -35,10 +35,15 @@ def model_path(tmp_path_factory) -> str:
                                        num_attention_heads=4, num_key_value_heads=2))
 
 
-def make_cfg(**learner) -> Config:
+def make_cfg(algorithm: dict | None = None, **learner) -> Config:
     base = {"lr": 1e-3, "weight_decay": 0.01, "warmup_steps": 2, "grad_clip": 1.0}
     base.update(learner)
-    return config_from_dict({"learner": base, "rollout": {"temperature": TEMPERATURE}, "run": {"seed": 7}})
+    return config_from_dict({"learner": base, "rollout": {"temperature": TEMPERATURE}, "run": {"seed": 7},
+                             "algorithm": algorithm or {}})
+
+
+TWO_RANK = dict(max_tokens_per_microbatch=64, mini_batches=2, algorithm={"correction": "decoupled"})
+"""The two-rank runs: several micro-batches per rank in each of 2 mini-batches, proximal forward included."""
 
 
 def make_batch(model_path: str, seed: int, n: int = 8, nan_advantages: bool = False) -> TrainBatch:
@@ -152,6 +157,80 @@ def test_nan_loss_skips_step_then_stops(model_path):
             w.train_step(bad)
 
 
+def stale_batch(model_path: str, seed: int, n: int = 8) -> TrainBatch:
+    """`make_batch`'s rows, with behaviour logprobs from an older policy (the weights perturbed):
+    what a batch generated a few versions ago looks like to the learner."""
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch(model_path, seed, n)
+    old = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+        lp = response_logprobs(old, collate(batch.input_ids, batch.prompt_lens, batch.behavior_logprobs, batch.advantages),
+                               TEMPERATURE).numpy()
+    batch.behavior_logprobs = [lp[i, : len(b)].astype(np.float32) for i, b in enumerate(batch.behavior_logprobs)]
+    return batch
+
+
+def plain_loop(model_path: str, cfg: Config, batch: TrainBatch) -> tuple[dict, list[float]]:
+    """Reference for decoupled PPO with mini-batches, written out plainly: no FSDP, no micro-batches.
+    Proximal = the initial model's logprobs; then one AdamW step per consecutive part of the rows,
+    each normalised by its own tokens. Returns the final weights and each step's clip fraction."""
+    from transformers import AutoModelForCausalLM
+
+    from async_april.algorithms.losses import LossSettings, policy_loss
+
+    lc = cfg.learner
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay, eps=1e-8)
+    settings = LossSettings.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+    rows = lambda idx: collate([batch.input_ids[i] for i in idx], batch.prompt_lens[idx],  # noqa: E731
+                               [batch.behavior_logprobs[i] for i in idx], batch.advantages[idx])
+    with torch.no_grad():
+        proximal = response_logprobs(model, rows(np.arange(len(batch))), TEMPERATURE)
+    clip_fracs = []
+    for idx in np.array_split(np.arange(len(batch)), lc.mini_batches):
+        mb = rows(idx)
+        logprobs = response_logprobs(model, mb, TEMPERATURE)
+        loss, metrics = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, settings,
+                                    mb.num_response_tokens, len(idx),
+                                    proximal_logprobs=proximal[idx, : logprobs.shape[1]])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip)
+        opt.step()
+        clip_fracs.append(float(metrics["loss/clip_frac"]))
+    return model.state_dict(), clip_fracs
+
+
+def test_mini_batches_with_decoupled_correction_match_a_plain_loop(model_path):
+    """4 mini-batches, decoupled correction, a stale batch: the proximal policy is the pre-update one,
+    so u = pi_theta / pi_prox is exactly 1 in the first update and leaves it in later ones, where the
+    clip acts (clip_frac > 0). The four updates, micro-batched, equal the plain loop's."""
+    batch = stale_batch(model_path, seed=5)
+    lengths = np.array([len(x) for x in batch.input_ids])
+    budget = max(16, int(lengths.max()))  # about a row each: several micro-batches per mini-batch
+    cfg = make_cfg(lr=3e-2, warmup_steps=0, mini_batches=4, max_tokens_per_microbatch=budget,
+                   algorithm={"correction": "decoupled", "weight_bound": "truncate"})
+    with local_worker(cfg, model_path) as w:
+        m = w.train_step(batch)
+        sd = w.full_state_dict()
+    ref_sd, ref_clip = plain_loop(model_path, cfg, batch)
+    assert m["train/mini_batches"] == 4 and m["train/optimizer_steps"] == 4 and m["train/policy_version"] == 1
+    assert m["train/micro_batches"] > 1
+    assert ref_clip[0] == 0.0 and max(ref_clip[1:]) > 0, ref_clip
+    assert m["loss/clip_frac"] > 0 and m["loss/clip_frac"] == pytest.approx(np.mean(ref_clip), abs=1e-6)
+    assert 0 < m["loss/entropy"] < np.log(32)
+    assert m["is/weight_mean"] != pytest.approx(1.0, abs=1e-3)  # the batch is stale: w = pi_prox / pi_behav moves
+    # The key bias has an exactly-zero gradient (softmax ignores a constant per query), so AdamW turns
+    # rounding noise into lr-sized steps there in both runs: compared everywhere else, to 0.3% of a step.
+    noise_driven = [k for k in sd if k.endswith("k_proj.bias")]
+    assert_close_dicts({k: v for k, v in sd.items() if k not in noise_driven},
+                       {k: v for k, v in ref_sd.items() if k not in noise_driven}, atol=1e-4)
+
+
 def test_export_hf_roundtrip(model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -203,7 +282,7 @@ def two_rank_run(ray_cluster, model_path, tmp_path_factory):
 
     batches = [make_batch(model_path, seed=10 + i) for i in range(4)]
     ckpt = str(tmp_path_factory.mktemp("ckpt") / "step2")
-    group = LearnerGroup(make_cfg(world_size=2, max_tokens_per_microbatch=64), model_path)
+    group = LearnerGroup(make_cfg(world_size=2, **TWO_RANK), model_path)
     try:
         metrics = [group.train_step(batches[0])]
         sd1 = group.full_state_dict()
@@ -218,7 +297,7 @@ def two_rank_run(ray_cluster, model_path, tmp_path_factory):
 
 
 def test_two_ranks_match_one_rank(two_rank_run, model_path):
-    with local_worker(make_cfg(max_tokens_per_microbatch=64), model_path) as w:
+    with local_worker(make_cfg(**TWO_RANK), model_path) as w:
         m = w.train_step(two_rank_run["batches"][0])
         sd = w.full_state_dict()
     m2 = two_rank_run["metrics"][0]
@@ -232,7 +311,7 @@ def test_two_ranks_match_one_rank(two_rank_run, model_path):
 def test_resume_in_new_actors_matches_straight_run(two_rank_run, model_path):
     from learners.group import LearnerGroup
 
-    group = LearnerGroup(make_cfg(world_size=2, max_tokens_per_microbatch=64), model_path)
+    group = LearnerGroup(make_cfg(world_size=2, **TWO_RANK), model_path)
     try:
         assert group.load_checkpoint(two_rank_run["ckpt"]) == {"step": 2, "version": 2}
         metrics = [group.train_step(b) for b in two_rank_run["batches"][2:]]
@@ -254,7 +333,7 @@ def test_two_rank_checkpoint_loads_at_one_rank_without_pickle(two_rank_run, mode
 
     files = sorted(p.name for p in Path(two_rank_run["ckpt"]).iterdir())
     assert files == ["learner.json", "rank_00000.json", "rank_00000.safetensors", "rank_00001.json", "rank_00001.safetensors"]
-    with local_worker(make_cfg(max_tokens_per_microbatch=64), model_path) as w:
+    with local_worker(make_cfg(**TWO_RANK), model_path) as w:
         assert w.load_checkpoint(two_rank_run["ckpt"]) == {"step": 2, "version": 2}
         metrics = [w.train_step(b) for b in two_rank_run["batches"][2:]]
         sd, osd = w.full_state_dict(), w.full_optimizer_state_dict()

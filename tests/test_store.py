@@ -190,3 +190,47 @@ def test_batches_take_the_oldest_groups_first():
     assert [g.prompt_index for g in second] == [1, 2]  # equals keep completion order
     assert st.counters.requeued_groups == 0
     st.check_accounting()
+
+
+def test_a_due_group_is_waited_for_not_overtaken():
+    """Regression (waste): batches were made of the oldest COMPLETE groups, so a long group admitted
+    early was overtaken by newer short ones until its oldest token passed eta, then regenerated from
+    scratch (the async preset threw away 9.8% of its tokens). Now a started group due at this
+    version is waited for; it joins the batch once its last response finishes."""
+    st = make_store(**{"async.max_staleness": 1, "rollout.over_provision": 3})
+    work = st.lease("a", 6, 0)  # groups 0, 1, 2
+    g = {(s.prompt_index, s.sample_index): s for s in work}
+    st.push("a", [finish(g[0, 0], version=0), abort(g[0, 1], version=0)])  # group 0: one long response, cut
+    st.set_version(1)  # group 0's oldest token is version 0: with eta 1 it must be trained now
+    st.push("a", [finish(g[p, i], version=1) for p in (1, 2) for i in (0, 1)])
+    assert st.try_get_batch() is None, "a due group was overtaken by newer complete groups"
+    (resumed,) = st.lease("a", 1, 1)
+    assert resumed.uid == g[0, 1].uid
+    resumed.extend(np.arange(2), -np.ones(2), np.full(2, 1), "stop")
+    resumed.reward = 1.0
+    st.push("a", [resumed])
+    assert sorted(grp.prompt_index for grp in st.try_get_batch()) == [0, 1]  # earliest deadline first
+    assert st.counters.requeued_groups == 0 and st.metrics()["rollout/wasted_tokens"] == 0
+    st.check_accounting()
+
+
+def test_no_prompt_is_requeued_more_than_max_requeues():
+    """A prompt whose responses always outlast eta was regenerated forever; now at most
+    async.max_requeues times, then dropped with its reason counted, its tokens counted as wasted."""
+    st = make_store(**{"async.max_staleness": 0, "rollout.over_provision": 1, "async.max_requeues": 2})
+    requeued_tokens = 0
+    for version in range(1, 5):  # each round the learner has moved on before the groups complete
+        work = [s for s in st.lease("a", 100, version - 1) if s.prompt_index in (0, 1)]
+        assert len(work) == 4
+        st.push("a", [finish(s, n_tokens=3, version=version - 1) for s in work])
+        st.set_version(version)
+        assert st.try_get_batch() is None
+        assert max(st.requeues.values()) <= 2
+        requeued_tokens += 12
+        if version > 2:
+            break
+    m = st.metrics()
+    assert st.requeues == {0: 2, 1: 2} and m["rollout/groups_requeued_stale"] == 4
+    assert m["rollout/groups_dropped_requeue_limit"] == 2 and st.dropped == [0, 1]
+    assert m["rollout/wasted_tokens/stale"] == m["rollout/wasted_tokens"] == requeued_tokens == 36
+    st.check_accounting()

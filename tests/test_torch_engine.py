@@ -179,3 +179,51 @@ def test_stop_token_and_weight_update_errors(model_dir, weights):
     res, eos, version = asyncio.run(main())
     assert res.finish_reason == "stop" and int(res.output_ids[-1]) in eos
     assert version == 0
+
+
+def test_failed_weight_update_changes_nothing(model_dir, weights):
+    """Regression: each bucket was validated only after the buckets before it were copied, so an update
+    that failed on a later bucket left a half-new model still tagged with the old version. Now every
+    bucket is checked (names, shapes, dtypes, coverage) before any weight is touched."""
+    names = list(weights[1])
+    first, rest = {k: weights[1][k] for k in names[:2]}, {k: weights[1][k] for k in names[2:]}
+    last = names[-1]
+
+    def broken_stream():
+        yield first
+        raise ConnectionError("object store lost the second bucket")
+
+    bad_updates = {
+        "missing": [first],
+        "shape": [first, {**rest, last: torch.zeros(3)}],
+        "name": [first, {**rest, "nope.weight": torch.zeros(1)}],
+        "dtype": [first, {**rest, last: weights[1][last].to(torch.int64)}],
+        "stream": broken_stream(),
+    }
+
+    async def main():
+        eng = TorchEngine(model_dir)
+        await eng.start()
+        try:
+            before = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+            outcomes = {}
+            for why, buckets in bad_updates.items():
+                try:
+                    await eng.update_weights(buckets, version=1)
+                    outcomes[why] = "accepted"
+                except (ValueError, KeyError, TypeError, ConnectionError) as e:
+                    outcomes[why] = type(e).__name__
+                after = eng.model.state_dict()
+                outcomes[why] += f" equal={all(torch.equal(before[k], after[k]) for k in before)} version={eng.version}"
+            own = dict(eng.model.named_parameters())  # tied lm_head travels once, as the learner sends it
+            good = {k: v for k, v in weights[1].items() if k in own}
+            await eng.update_weights([good], version=1)  # a good update still lands
+            landed = all(torch.equal(own[k], v) for k, v in good.items())
+            return outcomes, landed, eng.version
+        finally:
+            await eng.shutdown()
+
+    outcomes, landed, version = asyncio.run(main())
+    for why, outcome in outcomes.items():
+        assert outcome.endswith("equal=True version=0") and not outcome.startswith("accepted"), (why, outcome)
+    assert landed and version == 1

@@ -318,10 +318,11 @@ class SGLangEngine:
         return res
 
     async def abort_all(self) -> None:
+        aborted = set(self._inflight)  # a request sent after this call is not aborted: never wait for it
         await self._post("/abort_request", {"abort_all": True})
         # Aborted /generate calls return with their partial output; wait until they have.
         deadline = time.monotonic() + 30
-        while self._inflight and time.monotonic() < deadline:
+        while any(rid in self._inflight for rid in aborted) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     async def flush_cache(self) -> None:

@@ -256,19 +256,23 @@ class TorchEngine:
             self._select_rows([i for i, r in enumerate(self._running) if not r.cancelled])
 
     def _load_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """All or nothing: every bucket is received and checked (names, shapes, dtypes, coverage)
+        before any weight is copied, so a failed update leaves the model and its version as they
+        were. Costs one staged copy of the weights in host memory during the update."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         named.update(dict(self.model.named_buffers()))
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         covered: set[int] = set()
-        for bucket in buckets:
-            for name, tensor in bucket.items():  # check the whole bucket before touching any weight
+        for bucket in buckets:  # a transport that fails mid-stream raises here, before any copy
+            for name, tensor in bucket.items():
                 p = named.get(name)
                 if p is None:
                     raise KeyError(f"weight update: {name!r} is not a parameter of the engine's model")
                 if p.shape != tensor.shape:
                     raise ValueError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, model has {tuple(p.shape)}")
-            for name, tensor in bucket.items():
-                p = named[name]
-                p.data.copy_(tensor.to(device=p.device, dtype=p.dtype), non_blocking=True)
+                if p.is_floating_point() != tensor.is_floating_point():
+                    raise ValueError(f"weight update: {name!r} has dtype {tensor.dtype}, model has {p.dtype}")
+                staged.append((p, tensor))
                 covered.add(id(p))
         missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
         if missing:
@@ -276,6 +280,8 @@ class TorchEngine:
                 f"weight update to version {version} left {len(missing)} parameters unchanged "
                 f"(e.g. {missing[:3]}); send every parameter of the model"
             )
+        for p, tensor in staged:
+            p.data.copy_(tensor.to(device=p.device, dtype=p.dtype), non_blocking=True)
         self._version = version
         if self._running:
             self._reprefill()

@@ -43,29 +43,39 @@ def _same_kind(fn: Callable[[torch.Tensor], torch.Tensor], rewards: ArrayT) -> A
     return out.numpy() if isinstance(rewards, np.ndarray) else out
 
 
+def _centred(r: torch.Tensor) -> torch.Tensor:
+    """R - group mean, exactly 0 in a group whose rewards are all equal.
+
+    In floating point the mean of n equal values is not always that value (8 x 0.6 in float32 is
+    off by one ulp), so R - mean is a tiny delta of one sign for the whole group; GRPO then divides
+    it by a std of about |delta| and hands every response the same advantage of up to ~0.1. A
+    group with nothing to compare carries no signal: its deviations are zeroed, not rounded."""
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(equal, torch.zeros_like(r), r - r.mean(dim=1, keepdim=True))
+
+
 def _grpo(r: torch.Tensor, eps: float) -> torch.Tensor:
-    mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, unbiased=False, keepdim=True)
-    return (r - mean) / (std + eps)
+    d = _centred(r)
+    std = d.square().mean(dim=1, keepdim=True).sqrt()  # = r.std(unbiased=False), and exactly 0 for an equal group
+    return d / (std + eps)
 
 
 def _drgrpo(r: torch.Tensor) -> torch.Tensor:
-    return r - r.mean(dim=1, keepdim=True)
+    return _centred(r)
 
 
 def _rloo(r: torch.Tensor) -> torch.Tensor:
     n = r.shape[1]
     if n < 2:
         return torch.zeros_like(r)
-    others_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
-    return r - others_mean
+    return _centred(r) * (n / (n - 1))  # R_i - mean of the others = n / (n - 1) * (R_i - mean)
 
 
 def grpo_advantages(rewards: ArrayT, eps: float = 1e-6) -> ArrayT:
     """GRPO: `(R - group mean) / (group std + eps)`, std with unbiased=False (divides by n).
 
     rewards: [groups, n]. Returns [groups, n]. A group whose rewards are all
-    equal gets zero advantages (0 / eps).
+    equal gets exactly zero advantages, in any float dtype (see `_centred`).
     """
     return _same_kind(lambda r: _grpo(r, eps), rewards)
 
