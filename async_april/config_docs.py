@@ -55,12 +55,22 @@ def render() -> str:
         section = field.alias or name
         cls: type[BaseModel] = field.annotation
         out.append(f"\n## `{section}`\n\n{field.description}\n")
-        out.append("| key | type | default | bounds | meaning |\n|---|---|---|---|---|")
-        for key, f in cls.model_fields.items():
-            default = f.default if f.default_factory is None else f.default_factory()
-            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
-            out.append(f"| `{section}.{key}` | {_type_name(f.annotation)} | `{default!r}` | {_bounds(f)} | {desc} |")
+        out.extend(_table(cls, section))
+        for key, f in cls.model_fields.items():  # a list of sections (eval.datasets): one table for its entries
+            item = typing.get_args(f.annotation)[0] if typing.get_origin(f.annotation) is list else None
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                out.append(f"\nEach entry of `{section}.{key}`: {item.__doc__}\n")
+                out.extend(_table(item, f"{section}.{key}[]"))
     return "\n".join(out) + "\n"
+
+
+def _table(cls: type[BaseModel], prefix: str) -> list[str]:
+    rows = ["| key | type | default | bounds | meaning |\n|---|---|---|---|---|"]
+    for key, f in cls.model_fields.items():
+        default = "required" if f.is_required() else repr(f.default if f.default_factory is None else f.default_factory())
+        desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+        rows.append(f"| `{prefix}.{key}` | {_type_name(f.annotation)} | `{default}` | {_bounds(f)} | {desc} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,20 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, lc, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """`learner.lr_schedule` from transformers' schedules (LambdaLRs, checkpointed with the optimizer):
+    constant -> `constant_with_warmup`; linear / cosine -> `warmup_stable_decay` with no stable phase,
+    decaying from `lr` after the warm-up to `lr * min_lr_ratio` at `total_steps` (run.steps; a resume to a
+    larger run.steps stretches the decay from where it is). Schedule positions count optimizer steps."""
+    from transformers import get_scheduler
+
+    if lc.lr_schedule == "constant":
+        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=lc.warmup_steps)
+    decay = max(1, total_steps - lc.warmup_steps)
+    return get_scheduler("warmup_stable_decay", optimizer, num_warmup_steps=lc.warmup_steps, scheduler_specific_kwargs={
+        "num_stable_steps": 0, "num_decay_steps": decay, "decay_type": lc.lr_schedule, "min_lr_ratio": lc.min_lr_ratio})
+
+
 def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
     """Greedy packing of row indices (longest first) so rows x longest row stays within `max_tokens`.
 
@@ -148,10 +162,7 @@ class LearnerWorker:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=1e-8
         )
-        warmup = lc.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: 1.0 if warmup == 0 else min(1.0, (s + 1) / warmup)
-        )
+        self.scheduler = make_lr_scheduler(self.optimizer, lc, cfg.run.steps)
         from async_april.algorithms.losses import LossSettings
 
         self.loss_settings = LossSettings.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
