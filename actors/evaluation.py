@@ -67,10 +67,14 @@ class EvalActor:
         self.scorer = RewardScorer(cfg.reward)
         self.max_new_tokens = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
         self.lock = asyncio.Lock()
+        self.started = False
         self.last_s = 0.0
 
     async def start(self) -> int:
-        await self.engine.start()
+        """Start the engine (once); `evaluate` does it itself, so the controller never waits for it."""
+        if not self.started:
+            await self.engine.start()
+            self.started = True
         return self.engine.version
 
     async def evaluate(self, weights, version: int) -> list[SetResult]:
@@ -80,6 +84,7 @@ class EvalActor:
 
         async with self.lock:
             t0 = time.perf_counter()
+            await self.start()
             try:
                 if weights is not None:
                     await self.engine.update_weights(iter_buckets(weights), version)

@@ -169,32 +169,29 @@ class EvalSchedule:
 
 @dataclass
 class Evaluator:
-    """Driver side: one `EvalActor`, at most one evaluation in flight (see the module docstring)."""
+    """Driver side: one `EvalActor`, created at the first evaluation (a run shorter than `eval.every`
+    starts none), at most one evaluation in flight (see the module docstring)."""
 
     cfg: Config
-    actor: Any
+    model_path: str
+    sets: list[EvalSet]
     schedule: EvalSchedule
+    actor: Any = None
     pending: Any = None
     pending_version: int = -1
     started_at: float = 0.0
     results: list[dict] = field(default_factory=list)
 
     @classmethod
-    def start(cls, cfg: Config, model_path: str, sets: list[EvalSet], controller_state: dict | None) -> "Evaluator | None":
-        """The evaluation actor with its engine started, or None when `eval.datasets` is empty."""
+    def create(cls, cfg: Config, model_path: str, sets: list[EvalSet], controller_state: dict | None) -> "Evaluator | None":
+        """The run's evaluator (its schedule continued from a checkpoint's controller state), or None
+        when `eval.datasets` is empty."""
         if not sets:
             return None
-        import ray
-
-        from actors.evaluation import EvalActor
-
-        actor = ray.remote(EvalActor).options(num_cpus=0, num_gpus=cfg.rollout.gpus_per_actor, max_concurrency=4).remote(
-            cfg, model_path, sets)
-        ray.get(actor.start.remote())
         schedule = EvalSchedule(cfg.eval.every, cfg.run.steps, cfg.eval.at_end)
         if controller_state:
             schedule.restore(controller_state)
-        return cls(cfg, actor, schedule)
+        return cls(cfg, model_path, sets, schedule)
 
     def submit(self, learner) -> None:
         """Evaluate the learner's current weights, unless that version was evaluated already or the
@@ -207,6 +204,13 @@ class Evaluator:
         if self.pending is not None:
             self.schedule.skipped += 1
             return
+        if self.actor is None:  # created without waiting: it starts its engine inside its first evaluation
+            import ray
+
+            from actors.evaluation import EvalActor
+
+            self.actor = ray.remote(EvalActor).options(num_cpus=0, num_gpus=self.cfg.rollout.gpus_per_actor,
+                                                       max_concurrency=4).remote(self.cfg, self.model_path, self.sets)
         refs = learner.weight_buckets(self.cfg.weight_sync.bucket_mb)  # held by the task until it has loaded them
         self.pending = self.actor.evaluate.remote(refs, version)
         self.pending_version, self.started_at = version, time.perf_counter()
@@ -258,4 +262,5 @@ class Evaluator:
         import ray
 
         self.cancel()
-        ray.kill(self.actor)
+        if self.actor is not None:
+            ray.kill(self.actor)

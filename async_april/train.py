@@ -111,7 +111,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
                 learner.pin_cpus(plan.other_cores)
             pin_process(plan.other_cores)
         pool.start(cfg.rollout.num_actors)
-        evaluator = run.evaluator = Evaluator.start(cfg, model_path, r.eval_sets, resume.controller_state() if resume else None)
+        evaluator = run.evaluator = Evaluator.create(cfg, model_path, r.eval_sets, resume.controller_state() if resume else None)
         if resume is not None:
             pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
         ray.get(store.call.remote("set_version", learner.version))
