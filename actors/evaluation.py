@@ -71,11 +71,15 @@ class EvalActor:
         self.last_s = 0.0
 
     async def start(self) -> int:
-        """Start the engine (once); `evaluate` does it itself, so the controller never waits for it."""
+        """Start the engine (once; `evaluate` waits for it, so the controller never has to)."""
+        async with self.lock:
+            await self._start()
+        return self.engine.version
+
+    async def _start(self) -> None:
         if not self.started:
             await self.engine.start()
             self.started = True
-        return self.engine.version
 
     async def evaluate(self, weights, version: int) -> list[SetResult]:
         """Load `weights` (object-store bucket refs or a disk directory, as learners/weight_sync.py sends
@@ -84,7 +88,7 @@ class EvalActor:
 
         async with self.lock:
             t0 = time.perf_counter()
-            await self.start()
+            await self._start()
             try:
                 if weights is not None:
                     await self.engine.update_weights(iter_buckets(weights), version)

@@ -151,6 +151,10 @@ class EvalSchedule:
     def due(self, step: int) -> bool:
         return (self.every > 0 and step % self.every == 0) or (self.at_end and step == self.steps)
 
+    def any_due(self, after: int) -> bool:
+        """Whether a step in (after, steps] is due."""
+        return after < self.steps and (self.at_end or (self.every > 0 and (after // self.every + 1) * self.every <= self.steps))
+
     def state(self) -> dict[str, int]:
         return {"eval/requested": self.requested, "eval/completed": self.completed, "eval/skipped": self.skipped,
                 "eval/last_version": self.last_version}
@@ -169,8 +173,8 @@ class EvalSchedule:
 
 @dataclass
 class Evaluator:
-    """Driver side: one `EvalActor`, created at the first evaluation (a run shorter than `eval.every`
-    starts none), at most one evaluation in flight (see the module docstring)."""
+    """Driver side: one `EvalActor` (none when the run will not evaluate, e.g. one shorter than
+    `eval.every`), at most one evaluation in flight (see the module docstring)."""
 
     cfg: Config
     model_path: str
@@ -183,15 +187,30 @@ class Evaluator:
     results: list[dict] = field(default_factory=list)
 
     @classmethod
-    def create(cls, cfg: Config, model_path: str, sets: list[EvalSet], controller_state: dict | None) -> "Evaluator | None":
-        """The run's evaluator (its schedule continued from a checkpoint's controller state), or None
-        when `eval.datasets` is empty."""
+    def create(cls, cfg: Config, model_path: str, sets: list[EvalSet], step: int,
+               controller_state: dict | None) -> "Evaluator | None":
+        """The evaluator of a run starting after `step` (its schedule continued from a checkpoint's
+        controller state), or None when `eval.datasets` is empty. If the run will evaluate, its actor
+        starts its engine now, beside the training engines, without being waited for."""
         if not sets:
             return None
         schedule = EvalSchedule(cfg.eval.every, cfg.run.steps, cfg.eval.at_end)
         if controller_state:
             schedule.restore(controller_state)
-        return cls(cfg, model_path, sets, schedule)
+        ev = cls(cfg, model_path, sets, schedule)
+        if (cfg.eval.before_first_step and step == 0) or schedule.any_due(step):
+            ev._actor().start.remote()
+        return ev
+
+    def _actor(self):
+        if self.actor is None:
+            import ray
+
+            from actors.evaluation import EvalActor
+
+            self.actor = ray.remote(EvalActor).options(num_cpus=0, num_gpus=self.cfg.rollout.gpus_per_actor,
+                                                       max_concurrency=4).remote(self.cfg, self.model_path, self.sets)
+        return self.actor
 
     def submit(self, learner) -> None:
         """Evaluate the learner's current weights, unless that version was evaluated already or the
@@ -204,15 +223,8 @@ class Evaluator:
         if self.pending is not None:
             self.schedule.skipped += 1
             return
-        if self.actor is None:  # created without waiting: it starts its engine inside its first evaluation
-            import ray
-
-            from actors.evaluation import EvalActor
-
-            self.actor = ray.remote(EvalActor).options(num_cpus=0, num_gpus=self.cfg.rollout.gpus_per_actor,
-                                                       max_concurrency=4).remote(self.cfg, self.model_path, self.sets)
         refs = learner.weight_buckets(self.cfg.weight_sync.bucket_mb)  # held by the task until it has loaded them
-        self.pending = self.actor.evaluate.remote(refs, version)
+        self.pending = self._actor().evaluate.remote(refs, version)
         self.pending_version, self.started_at = version, time.perf_counter()
         self.schedule.requested += 1
         self.schedule.last_version = version

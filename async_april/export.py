@@ -48,17 +48,18 @@ def run_config_of(ck: Checkpoint):
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Write OUT_DIR from CHECKPOINT (see the module docstring); returns OUT_DIR."""
-    from transformers import AutoConfig
-
-    from async_april.models.tiny import resolve_model_path
-    from learners.checkpoint import full_model_state
-    from learners.worker import write_hf_dir
-
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"OUT_DIR {str(out_dir)!r} already exists and is not an empty directory; give a new directory")
     ck = open_checkpoint(checkpoint)
     cfg = run_config_of(ck)
+
+    from transformers import AutoConfig  # torch and transformers only once the input is known good
+
+    from async_april.models.tiny import resolve_model_path
+    from learners.checkpoint import full_model_state
+    from learners.worker import write_hf_dir
+
     try:
         model_path = Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
         check_model_fits(ck, model_shape(model_path))

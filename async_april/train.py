@@ -95,15 +95,18 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
 
     resume, model_path = r.resume, str(r.model_path)
     store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, r.dataset)
+    # First, so that its engine loads while the learner starts (it dies with this driver if that fails).
+    evaluator = Evaluator.create(cfg, model_path, r.eval_sets, resume.step if resume else 0,
+                                 resume.controller_state() if resume else None)
     learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
+    run.evaluator = evaluator
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
     plan = plan_pinning(cfg)
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
     hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
     driver_cores = process_cores()
-    evaluator = None
     try:
         if plan is not None:
             ray.get(store.pin_cpus.remote(plan.other_cores))
@@ -111,7 +114,6 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
                 learner.pin_cpus(plan.other_cores)
             pin_process(plan.other_cores)
         pool.start(cfg.rollout.num_actors)
-        evaluator = run.evaluator = Evaluator.create(cfg, model_path, r.eval_sets, resume.controller_state() if resume else None)
         if resume is not None:
             pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
         ray.get(store.call.remote("set_version", learner.version))

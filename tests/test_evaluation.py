@@ -22,10 +22,11 @@ from async_april.config import ConfigError, config_from_dict, load_config
 from async_april.evaluation import EvalSchedule, SetResult, pass_at_k, summarize
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=24", "rollout.concurrency=16",
-         "logging.wandb=disabled", "logging.console_every=100", "run.pin_cpus=false"]
-EVAL = {"datasets": [{"name": "heldout", "source": "builtin:reverse", "num_prompts": 16}], "every": 2, "samples": 3,
-        "pass_k": 2, "before_first_step": True, "at_end": True, "concurrency": 16, "nice": 0}
+SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=16", "rollout.concurrency=16",
+         "logging.wandb=disabled", "logging.console_every=100", "run.pin_cpus=false",
+         "async.max_staleness=0", "rollout.over_provision=1", "rollout.on_weight_update=drain"]  # the sync preset
+EVAL = {"datasets": [{"name": "heldout", "source": "builtin:reverse", "num_prompts": 16}], "every": 2, "samples": 2,
+        "before_first_step": True, "at_end": True, "concurrency": 16, "nice": 0}
 
 
 # ------------------------------------------------------------------------------------ pure
@@ -64,6 +65,9 @@ def test_summary_of_a_hand_table():
 def test_schedule_and_its_counters_survive_a_checkpoint():
     s = EvalSchedule(every=20, steps=50, at_end=True)
     assert [t for t in range(1, 51) if s.due(t)] == [20, 40, 50]
+    assert s.any_due(0) and s.any_due(49) and not s.any_due(50)
+    short = EvalSchedule(every=20, steps=19, at_end=False)  # the tests' short runs of the tiny config: no actor
+    assert not short.any_due(0) and EvalSchedule(every=20, steps=40, at_end=False).any_due(20)
     s.requested, s.completed, s.skipped, s.last_version = 3, 1, 1, 40  # one still in flight when saved
     r = EvalSchedule(every=20, steps=60, at_end=True)
     r.restore(json.loads(json.dumps(s.state())))
@@ -141,7 +145,7 @@ def test_one_evaluation_uses_one_version_for_all_its_samples(tiny_model, tmp_pat
     from learners.weight_sync import DiskBucketWriter
     from transformers import AutoModelForCausalLM
 
-    cfg = config_from_dict({"eval": {**EVAL, "samples": 2, "concurrency": 8}, "rollout": {"max_new_tokens": 24}})
+    cfg = config_from_dict({"eval": {**EVAL, "concurrency": 8}, "rollout": {"max_new_tokens": 16}})
     sets = load_eval_sets(cfg, load_tokenizer(Path(tiny_model), "tiny"), None)
     base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     payloads = {}
@@ -179,7 +183,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
-    """4 steps, eval every 2 plus before the first and after the last step; then resumed to step 6."""
+    """2 steps, eval every 2 plus before the first and after the last step; then resumed to step 4."""
     from async_april.train import train
 
     run_dir = tmp_path_factory.mktemp("eval") / "run"
@@ -190,10 +194,10 @@ def trained(ray_cluster, tmp_path_factory):
         if step == 4:
             seen["weights"] = learner.full_state_dict()
 
-    train(make_cfg(run_dir, "run.steps=4", "checkpoint.every=2"), on_step=on_step)
+    train(make_cfg(run_dir, "run.steps=2"), on_step=on_step)
     first = rows(run_dir)
-    train(make_cfg(run_dir, "run.steps=6", "checkpoint.every=2", "run.resume=auto"))
-    return run_dir, first, rows(run_dir)[4:], seen
+    train(make_cfg(run_dir, "run.steps=4", "run.resume=auto"), on_step=on_step)
+    return run_dir, first, rows(run_dir)[2:], seen
 
 
 def test_eval_samples_never_reach_the_learner(trained, tiny_model):
@@ -207,7 +211,7 @@ def test_eval_samples_never_reach_the_learner(trained, tiny_model):
     assert len(held_out) == 16
     assert len(seen["prompts"]) == 4 * 4 * 4  # 4 steps x 4 groups x 4 samples: training samples only
     assert not held_out & set(seen["prompts"])
-    assert first[-1]["eval/completed"] >= 2 and first[-1]["eval/heldout/prompts"] == 16
+    assert first[-1]["eval/completed"] >= 1 and first[-1]["eval/heldout/prompts"] == 16
     # The store saw only training work: 16 trained groups, each a training prompt; the evaluations'
     # 16 x (3 + 1) responses per version never entered it (the run checks its accounting every step).
     from async_april import state_codec
@@ -219,11 +223,11 @@ def test_eval_samples_never_reach_the_learner(trained, tiny_model):
 def test_evaluations_are_at_one_version_each_and_the_resume_continues_the_schedule(trained):
     _, first, resumed, _ = trained
     evaluated = [r["eval/heldout/version"] for r in first if "eval/heldout/version" in r]
-    assert set(evaluated) <= {0, 2, 4} and evaluated[-1] == 4  # before the first step, every 2 steps, at the end
-    assert first[-1]["eval/requested"] == first[-1]["eval/completed"] + first[-1]["eval/skipped"]
-    # Resumed at step 4: no second "before the first step", the next due evaluation is step 6's.
-    assert [r["train/step"] for r in resumed] == [5, 6]
-    assert [r["eval/heldout/version"] for r in resumed if "eval/heldout/version" in r] == [6]
+    assert set(evaluated) <= {0, 2} and evaluated[-1] == 2  # before the first step, then step 2 (due and the last)
+    assert first[-1]["eval/requested"] == first[-1]["eval/completed"] + first[-1]["eval/skipped"] == 2
+    # Resumed at step 2: no second "before the first step", the next due evaluation is step 4's.
+    assert [r["train/step"] for r in resumed] == [3, 4]
+    assert [r["eval/heldout/version"] for r in resumed if "eval/heldout/version" in r] == [4]
     assert resumed[-1]["eval/requested"] == first[-1]["eval/requested"] + 1
     assert resumed[-1]["eval/completed"] == first[-1]["eval/completed"] + 1
     for r in first + resumed:
@@ -271,9 +275,29 @@ def test_plot_places_eval_reward_at_the_version_it_evaluated(trained, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["eval", "configs/presets/sync.yaml", "."], "eval.datasets is empty: nothing to evaluate"),
     (["export", "/nonexistent/ckpt", "/tmp/out"], "CHECKPOINT '/nonexistent/ckpt' does not exist"),
+    (["export", "configs", "/tmp/out"], "CHECKPOINT 'configs' is neither a run checkpoint"),
 ])
 def test_eval_and_export_bad_input_is_one_line_exit_2(args, message):
     proc = subprocess.run([sys.executable, "-m", "async_april.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"error: {message}"), proc.stderr
+
+
+def test_export_refuses_a_non_empty_out_dir_and_touches_nothing(trained, tmp_path):
+    from async_april import cli
+
+    run_dir = trained[0]
+    (tmp_path / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(run_dir), str(tmp_path)]) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_eval_and_export_have_help(capsys):
+    from async_april import cli
+
+    for cmd, want in (("eval", "CHECKPOINT"), ("export", "OUT_DIR")):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and f"async-april {cmd}" in out and want in out, out
