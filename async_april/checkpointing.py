@@ -103,11 +103,12 @@ class Checkpoint:
 
 
 def config_hash(cfg: Config) -> str:
-    """Hash of the settings that shape training; run.* bookkeeping and logging may change across a resume."""
+    """Hash of the settings that shape training; run.* bookkeeping, logging and eval may change across a resume."""
     data = cfg.to_yaml_dict()
     for key in ("steps", "resume", "dir", "name", "ray_address", "overwrite"):
         data["run"].pop(key, None)
     data.pop("logging", None)
+    data.pop("eval", None)  # evaluation never changes training
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

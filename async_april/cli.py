@@ -3,7 +3,9 @@
     async-april train CONFIG [section.key=value ...]   run training (embedded Ray or the surrounding cluster)
     async-april check CONFIG [section.key=value ...]   resolve a config against the world, print it; starts nothing
     async-april build-model [--cache-dir D] [--seed S] build the tiny built-in model
-    async-april plot RUN_DIR [--out FILE]              plot a run's metrics.jsonl to PNG
+    async-april eval CONFIG CHECKPOINT [k=v ...]       evaluate a checkpoint or HF directory on eval.datasets
+    async-april export CHECKPOINT OUT_DIR              write a Hugging Face directory from a run checkpoint
+    async-april plot RUN_DIR [--out FILE]              plot a run's metrics.jsonl (training and eval reward) to PNG
     async-april --version
 
 One error path: bad input of any kind (config, YAML, data, model, reward,
@@ -44,9 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/tiny_cpu.yaml")
         p.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
-    # These two parse their own options (their --help too).
+    # These parse their own options (their --help too).
     sub.add_parser("build-model", help="build (or find) the tiny built-in model", add_help=False)
-    sub.add_parser("plot", help="plot a run's metrics.jsonl (reward, length, throughput, staleness) to PNG", add_help=False)
+    sub.add_parser("eval", help="evaluate a run checkpoint or a Hugging Face directory on the config's eval.datasets, "
+                                "without training", add_help=False)
+    sub.add_parser("export", help="write a Hugging Face model directory from a run checkpoint", add_help=False)
+    sub.add_parser("plot", help="plot a run's metrics.jsonl (reward and eval reward, length, throughput, staleness) to PNG",
+                   add_help=False)
     return ap
 
 
@@ -74,6 +80,14 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         from async_april.models.tiny import main as build_main
 
         return build_main(rest)
+    if args.command == "eval":
+        from async_april.eval_command import main as eval_main
+
+        return eval_main(rest)
+    if args.command == "export":
+        from async_april.export import main as export_main
+
+        return export_main(rest)
     if args.command == "plot":
         from async_april.plot import main as plot_main
 

@@ -60,20 +60,27 @@ def render() -> str:
 
 
 def _table(out: list[str], prefix: str, cls: type[BaseModel]) -> None:
-    """One table per section; a nested section (rollout.sglang) gets a table of its own after it."""
+    """One table per section; a nested section (rollout.sglang) or a list of sections
+    (eval.datasets) gets a table of its own after it."""
     out.append("| key | type | default | bounds | meaning |\n|---|---|---|---|---|")
-    nested = []
+    nested, listed = [], []
     for key, f in cls.model_fields.items():
         desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
         if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
             out.append(f"| `{prefix}.{key}` | section | | | {desc} See `{prefix}.{key}` below. |")
             nested.append((f"{prefix}.{key}", f.annotation))
             continue
-        default = f.default if f.default_factory is None else f.default_factory()
-        out.append(f"| `{prefix}.{key}` | {_type_name(f.annotation)} | `{default!r}` | {_bounds(f)} | {desc} |")
+        item = typing.get_args(f.annotation)[0] if typing.get_origin(f.annotation) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            listed.append((f"{prefix}.{key}", item))
+        default = "required" if f.is_required() else repr(f.default if f.default_factory is None else f.default_factory())
+        out.append(f"| `{prefix}.{key}` | {_type_name(f.annotation)} | `{default}` | {_bounds(f)} | {desc} |")
     for name, sub in nested:
         out.append(f"\n### `{name}`\n\n{(sub.__doc__ or '').strip()}\n")
         _table(out, name, sub)
+    for name, item in listed:
+        out.append(f"\nEach entry of `{name}`: {(item.__doc__ or '').strip()}\n")
+        _table(out, f"{name}[]", item)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""`async-april plot RUN_DIR [--out FILE]`: reward, response length, rollout throughput and
-staleness over steps, from the run's metrics.jsonl, as one PNG (no W&B needed)."""
+"""`async-april plot RUN_DIR [--out FILE]`: reward (training, and each held-out eval set's mean and
+greedy reward at the policy version it evaluated), response length, rollout throughput and staleness
+over steps, from the run's metrics.jsonl, as one PNG (no W&B needed)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
+def eval_curves(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per eval set, (policy version evaluated, reward) for its mean and greedy reward. An evaluation is
+    logged in the row of the step at which it finished, so it is placed at the version it evaluated
+    (the step that produced those weights), beside the training reward of that step."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        for key, value in r.items():
+            if key.startswith("eval/") and key.endswith(("/mean_reward", "/greedy_reward")):
+                name, metric = key.split("/")[1], key.rsplit("/", 1)[1]
+                version = r.get(f"eval/{name}/version")
+                if isinstance(version, (int, float)):
+                    curves.setdefault(f"eval {name} {metric.removesuffix('_reward')}", []).append((version, value))
+    return {k: sorted(v) for k, v in curves.items()}
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib
 
@@ -62,12 +78,15 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             if mean:
                 ax.plot(*zip(*mean), label="mean")
         if pts:
-            ax.plot(*zip(*pts), label=key.split("/")[-1])
+            ax.plot(*zip(*pts), label="train" if key == "rollout/reward_mean" else key.split("/")[-1])
+        if key == "rollout/reward_mean":
+            for label, curve in eval_curves(rows).items():
+                ax.plot(*zip(*curve), marker="o", label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if key == "staleness/max" and ax.get_legend_handles_labels()[0]:
-            ax.legend()
+        if key in ("staleness/max", "rollout/reward_mean") and len(ax.get_legend_handles_labels()[0]) > 1:
+            ax.legend(fontsize=8)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out = out or run_dir / "metrics.png"

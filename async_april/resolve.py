@@ -11,6 +11,7 @@
       engine       SGLang: this environment must not make its logprobs pre-temperature
       data         data.source read, columns mapped, prompts templated and tokenised (`check`: the
                    first rows only), and every reward callable with this dataset's extra columns
+      eval         each eval.datasets entry read the same way, training prompts left out
 
 `check_gpu_resources` compares the GPUs a config asks for with a cluster's: `check` calls it when
 a Ray address is given, `train` once Ray is up, before any actor starts.
@@ -32,6 +33,7 @@ from async_april.checkpointing import Checkpoint, check_model_fits, model_shape,
 from async_april.config import Config
 from async_april.data import PromptDataset, load_prompts
 from async_april.errors import ModelError, UserError
+from async_april.evaluation import EvalSet, load_eval_sets
 from async_april.rewards import RewardFn, check_reward_signature, get_reward_fn
 
 CHECK_ROWS = 64
@@ -49,6 +51,7 @@ class Resolved:
     tokenizer: Any
     dataset: PromptDataset
     rewards: dict[str, RewardFn] = field(default_factory=dict)
+    eval_sets: list[EvalSet] = field(default_factory=list)
 
     def describe(self) -> list[str]:
         """What was resolved, one line each (printed by `check` and at the start of `train`)."""
@@ -64,7 +67,8 @@ class Resolved:
             "rewards " + ", ".join(f"{n} x{w:g}" for n, w in self.cfg.reward.functions.items()),
             f"resume from {ck.path} (step {ck.step}, policy version {ck.version})" if ck else
             ("resume: no checkpoint yet, starting from step 0" if self.cfg.run.resume else "resume: no (fresh start)"),
-        ]
+        ] + [f"eval {s.name}: {len(s.rows)} held-out prompts" + (f" ({s.in_training} also in the training data left out)"
+                                                                 if s.in_training else "") for s in self.eval_sets]
 
 
 def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
@@ -92,7 +96,8 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
     dataset = load_prompts(cfg, tokenizer, limit=sample_rows)
     for name, fn in rewards.items():
         check_reward_signature(name, fn, dataset.rows[0].extra)
-    return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards)
+    eval_sets = load_eval_sets(cfg, tokenizer, dataset, limit=sample_rows)
+    return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards, eval_sets)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")

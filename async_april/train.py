@@ -89,15 +89,20 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     import ray
 
     from actors.pool import ActorPool
+    from async_april.evaluation import Evaluator
     from async_april.store import RolloutStoreActor
     from learners.group import LearnerGroup
     from learners.weight_sync import WeightSyncer
 
     resume, model_path = r.resume, str(r.model_path)
     store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, r.dataset)
+    # First, so that its engine loads while the learner starts (it dies with this driver if that fails).
+    evaluator = Evaluator.create(cfg, model_path, r.eval_sets, resume.step if resume else 0,
+                                 resume.controller_state() if resume else None)
     learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
+    run.evaluator = evaluator
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
     plan = plan_pinning(cfg)
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
@@ -114,6 +119,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
         ray.get(store.call.remote("set_version", learner.version))
         pool.start_loops()
+        if evaluator is not None and run.step == 0 and cfg.eval.before_first_step:
+            evaluator.submit(learner)
         last = pool.totals()
         stop.arm()
         tracker.start()
@@ -136,6 +143,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
                 metrics.update(pool.push_weights(push, learner.version))
                 ray.get(store.call.remote("set_version", learner.version))
             ray.get(store.call.remote("check_accounting"))  # every prompt in exactly one state, or stop
+            if evaluator is not None:  # results that have arrived; a new evaluation if due (never waits)
+                metrics.update(evaluator.after_step(step, learner))
             now = pool.totals()
             step_s = time.perf_counter() - t0
             metrics.update(ray.get(store.call.remote("metrics")))
@@ -144,6 +153,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             run.step = step
             metrics.update(run.metrics(pool, learner.version))
             metrics.update({"timing_s/rollout": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
+            if evaluator is not None and step == cfg.run.steps:
+                metrics.update(evaluator.finish())  # the final evaluation: nothing is left to train
             tracker.log(metrics)
             if on_step is not None:
                 on_step(step, batch, learner, **({"pool": pool} if hook_gets_pool else {}))
@@ -156,6 +167,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
         if cfg.checkpoint.export_hf and not stop.requested():
             say(f"exported {learner.export_hf(str(cfg.run_dir / 'hf'))}")
     finally:
+        if evaluator is not None:
+            evaluator.stop()
         pool.stop()
         learner.shutdown()
         if plan is not None and driver_cores:
@@ -172,6 +185,8 @@ class RunState:
         self.actor_restarts_before = actor_restarts
         self.last_checkpoint = checkpoint
         self.saved_step = step if checkpoint is not None else -1
+        self.evaluator = None
+        """The run's Evaluator, if it evaluates: its schedule counters are saved with the controller state."""
 
     @classmethod
     def restore(cls, ck, store, learner, cfg: Config, model_shape: dict) -> "RunState":
@@ -202,7 +217,8 @@ class RunState:
         ck = self.cfg.checkpoint
         controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
                       "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
-                      "time/elapsed_s": round(tracker.elapsed_s, 3)}
+                      "time/elapsed_s": round(tracker.elapsed_s, 3),
+                      **(self.evaluator.schedule.state() if self.evaluator is not None else {})}
         path = CheckpointManager(self.cfg.run_dir, ck.keep, ck.verify).save(
             self.step, learner.version, learner, ray.get(store.call.remote("state_dict")), controller,
             tracker.wandb_run_id, config_hash(self.cfg), self.model_shape)

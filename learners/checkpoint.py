@@ -184,3 +184,25 @@ def _dtensors(tree: Any, prefix: str = "") -> dict[str, DTensor]:
         for i, v in enumerate(tree):
             out.update(_dtensors(v, f"{prefix}/{i}"))
     return out
+
+
+def full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of learner checkpoint `path`, whole, as saved (any saved world size), read in
+    one process without torch.distributed: what `async-april export` writes. The optimizer is not read."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "learner.json").is_file():
+        raise FileNotFoundError(f"{path} is not a learner checkpoint (no learner.json); was the save interrupted?")
+    shards = _Shards(path, int(json.loads((path / "learner.json").read_text())["world_size"]))
+    doc = state_codec.read_doc(path, _rank_name(0))
+    with safe_open(str(path / f"{_rank_name(0)}.safetensors"), framework="pt") as f:
+        def fetch(tag: dict) -> torch.Tensor:
+            if SHARD_TAG in tag:
+                shape = tag["global_shape"]
+                return shards.assemble(tag[SHARD_TAG], [0] * len(shape), shape, getattr(torch, tag["dtype"]))
+            if "$pt" in tag:
+                return f.get_tensor(tag["$pt"])
+            raise state_codec.StateFormatError(f"{path}: unknown tag {sorted(tag)} in the model state")
+
+        return state_codec.decode(doc["tree"]["model"], fetch)

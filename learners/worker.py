@@ -79,6 +79,20 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, lc, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """`learner.lr_schedule` from transformers' schedules (LambdaLRs, checkpointed with the optimizer):
+    constant -> `constant_with_warmup`; linear / cosine -> `warmup_stable_decay` with no stable phase,
+    decaying from `lr` after the warm-up to `lr * min_lr_ratio` at `total_steps` (run.steps; a resume to a
+    larger run.steps stretches the decay from where it is). Schedule positions count optimizer steps."""
+    from transformers import get_scheduler
+
+    if lc.lr_schedule == "constant":
+        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=lc.warmup_steps)
+    decay = max(1, total_steps - lc.warmup_steps)
+    return get_scheduler("warmup_stable_decay", optimizer, num_warmup_steps=lc.warmup_steps, scheduler_specific_kwargs={
+        "num_stable_steps": 0, "num_decay_steps": decay, "decay_type": lc.lr_schedule, "min_lr_ratio": lc.min_lr_ratio})
+
+
 def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
     """Greedy packing of row indices (longest first) so rows x longest row stays within `max_tokens`.
 
@@ -156,10 +170,7 @@ class LearnerWorker:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=1e-8
         )
-        warmup = lc.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: 1.0 if warmup == 0 else min(1.0, (s + 1) / warmup)
-        )
+        self.scheduler = make_lr_scheduler(self.optimizer, lc, cfg.run.steps)
         from async_april.algorithms.losses import LossSettings
 
         self.loss_settings = LossSettings.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
@@ -431,22 +442,7 @@ class LearnerWorker:
         sd = self.full_state_dict()
         if self.rank != 0:
             return None
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        dtype = getattr(torch, self.cfg.model.dtype)
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(self.hf_config)
-        shell.load_state_dict(sd, assign=True, strict=False)
-        shell.tie_weights()
-        shell.save_pretrained(out)
-        for f in Path(self.model_path).iterdir():  # tokenizer, generation config, chat template
-            if f.is_file() and not f.name.startswith(("model", "config.json", "pytorch_model")) and f.suffix != ".safetensors":
-                if not (out / f.name).exists():
-                    shutil.copy2(f, out / f.name)
-        return str(out)
+        return str(write_hf_dir(sd, self.hf_config, self.model_path, path, self.cfg.model.dtype))
 
     # ----------------------------------------------------------------- misc
 
@@ -466,6 +462,27 @@ class LearnerWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def write_hf_dir(state_dict: dict[str, torch.Tensor], hf_config, model_path: str | Path, out: str | Path,
+                 dtype: str = "float32") -> Path:
+    """A Hugging Face model directory at `out`: `state_dict` (full tensors) cast to `dtype`, the model's
+    config, and the tokenizer / generation config / chat template files copied from `model_path`."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in state_dict.items()}
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(hf_config)
+    shell.load_state_dict(sd, assign=True, strict=False)
+    shell.tie_weights()
+    shell.save_pretrained(out)
+    for f in Path(model_path).iterdir():  # tokenizer, generation config, chat template
+        if f.is_file() and not f.name.startswith(("model", "config.json", "pytorch_model")) and f.suffix != ".safetensors":
+            if not (out / f.name).exists():
+                shutil.copy2(f, out / f.name)
+    return out
 
 
 def merge_rank_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:

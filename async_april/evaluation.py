@@ -1,0 +1,278 @@
+"""Held-out evaluation during training: what is evaluated, when, and the numbers reported.
+
+    every eval.every steps (and before the first / after the last step, if asked):
+      controller ── Evaluator.after_step(step, learner) ──> learner.weight_buckets()  (one bucketed export)
+                         │ refs + version, returns at once                 │
+                         v                                                 v
+                  EvalActor.evaluate(refs, version)   (actors/evaluation.py: its own engine, low CPU priority)
+                         │ loads that version, samples every prompt `samples` times + once greedily, scores
+                         v
+                  metrics eval/<name>/... logged with the step at which they arrive, never waited for
+
+The learner never waits for an evaluation: one runs at a time, and one that falls due while the
+previous is still running is skipped and counted (`eval/skipped`). Only the last step waits (nothing
+is left to train); an evaluation still running at an older version is then superseded by the final one.
+Every evaluation loads one version before its first request and nothing else loads weights into its
+engine until it ends, so its samples never mix versions (checked on every token). Evaluation prompts
+never enter the rollout store: they cannot be trained or counted as training prompts.
+
+Pure parts (tested without Ray): `pass_at_k`, `summarize`, `EvalSchedule`, `load_eval_sets`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from async_april.config import Config, DataConfig
+from async_april.data import DataError, PromptDataset, PromptRow, load_prompts
+
+log = logging.getLogger(__name__)
+
+BUILTIN_OVERDRAW = 4
+"""A builtin held-out set draws this many times `num_prompts` rows, to still have `num_prompts` once the
+rows that also appear in the training data are left out (short digit strings often do)."""
+
+
+# ------------------------------------------------------------------------------------ maths
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimator of pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code", eq. 1): 1 - C(n-c, k) / C(n, k), as their stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@dataclass
+class SetResult:
+    """Raw outcome of one evaluated set: per prompt, the `samples` sampled responses (and a greedy one)."""
+
+    name: str
+    version: int
+    rewards: np.ndarray
+    """[prompts, samples] rewards of the sampled responses."""
+    lengths: np.ndarray
+    """[prompts, samples] response lengths in tokens."""
+    truncated: np.ndarray
+    """[prompts, samples] True where the response hit max_new_tokens (finish reason `length`)."""
+    greedy_rewards: np.ndarray | None = None
+    """[prompts] rewards of the greedy responses, if asked for."""
+
+
+def summarize(r: SetResult, k: int, threshold: float) -> dict[str, float]:
+    """The `eval/<name>/...` metrics of one set: rewards and lengths averaged over sampled responses,
+    pass@1 and pass@k (unbiased, correct = reward >= threshold) averaged over prompts."""
+    n = r.rewards.shape[1]
+    correct = (r.rewards >= threshold).sum(axis=1)
+    p = f"eval/{r.name}/"
+    out = {
+        p + "mean_reward": float(r.rewards.mean()),
+        p + "pass@1": float(np.mean([pass_at_k(n, int(c), 1) for c in correct])),
+        p + "pass@k": float(np.mean([pass_at_k(n, int(c), k) for c in correct])),
+        p + "mean_length": float(r.lengths.mean()),
+        p + "truncation_rate": float(r.truncated.mean()),
+        p + "version": float(r.version),
+        p + "prompts": float(r.rewards.shape[0]),
+    }
+    if r.greedy_rewards is not None:
+        out[p + "greedy_reward"] = float(r.greedy_rewards.mean())
+        out[p + "greedy_pass"] = float((r.greedy_rewards >= threshold).mean())
+    return out
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class EvalSet:
+    name: str
+    rows: list[PromptRow]
+    in_training: int = 0
+    """Rows left out because their prompt is also a training prompt."""
+
+
+def load_eval_sets(cfg: Config, tokenizer, train: PromptDataset | None, limit: int | None = None) -> list[EvalSet]:
+    """Each `eval.datasets` entry read through the same loader as `data` (sources, columns, templates,
+    long-prompt and bad-row rules), with every prompt that is also a training prompt left out (counted),
+    so the set is held out. `limit` caps the rows read (`async-april check`)."""
+    seen = {tuple(r.prompt_ids.tolist()) for r in train.rows} if train is not None else set()
+    out = []
+    for i, d in enumerate(cfg.eval.datasets):
+        sub = cfg.model_copy(deep=True)
+        sub.data = DataConfig(**d.model_dump(exclude={"name", "seed", "limit", "num_prompts", "shuffle"}),
+                              num_prompts=d.num_prompts * BUILTIN_OVERDRAW, shuffle=False)
+        sub.run.seed = d.seed if d.seed is not None else cfg.run.seed + 1
+        builtin = d.source.startswith("builtin:")
+        want = d.num_prompts if builtin else d.limit
+        want = min(want, limit) if want is not None and limit is not None else (want or limit)
+        try:
+            ds = load_prompts(sub, tokenizer, limit=None if builtin else want)
+        except DataError as e:
+            raise DataError(f"eval.datasets[{i}] ({d.name}): {e}") from None
+        rows, in_training = [], 0
+        for r in ds.rows:
+            if want is not None and len(rows) >= want:
+                break
+            if tuple(r.prompt_ids.tolist()) in seen:
+                in_training += 1
+            else:
+                rows.append(r)
+        if not rows:
+            raise DataError(f"eval.datasets[{i}] ({d.name}): every one of its {len(ds.rows)} prompts is also a "
+                            "training prompt; give a held-out source (or, for builtin tasks, another seed)")
+        out.append(EvalSet(d.name, rows, in_training))
+    return out
+
+
+# ------------------------------------------------------------------------------------ schedule
+
+
+@dataclass
+class EvalSchedule:
+    """When evaluations fall due, and the counters a checkpoint carries so a resumed run continues them."""
+
+    every: int
+    steps: int
+    at_end: bool
+    requested: int = 0
+    completed: int = 0
+    skipped: int = 0
+    last_version: int = -1
+    """Policy version of the latest evaluation started (-1: none); a version is never evaluated twice."""
+
+    def due(self, step: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == self.steps)
+
+    def any_due(self, after: int) -> bool:
+        """Whether a step in (after, steps] is due."""
+        return after < self.steps and (self.at_end or (self.every > 0 and (after // self.every + 1) * self.every <= self.steps))
+
+    def state(self) -> dict[str, int]:
+        return {"eval/requested": self.requested, "eval/completed": self.completed, "eval/skipped": self.skipped,
+                "eval/last_version": self.last_version}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Counters from a checkpoint's controller state; an evaluation in flight when it was saved is lost
+        with the process, so it counts as skipped."""
+        self.requested = int(state.get("eval/requested", 0))
+        self.completed = int(state.get("eval/completed", 0))
+        self.last_version = int(state.get("eval/last_version", -1))
+        self.skipped = self.requested - self.completed
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+@dataclass
+class Evaluator:
+    """Driver side: one `EvalActor` (none when the run will not evaluate, e.g. one shorter than
+    `eval.every`), at most one evaluation in flight (see the module docstring)."""
+
+    cfg: Config
+    model_path: str
+    sets: list[EvalSet]
+    schedule: EvalSchedule
+    actor: Any = None
+    pending: Any = None
+    pending_version: int = -1
+    started_at: float = 0.0
+    results: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, cfg: Config, model_path: str, sets: list[EvalSet], step: int,
+               controller_state: dict | None) -> "Evaluator | None":
+        """The evaluator of a run starting after `step` (its schedule continued from a checkpoint's
+        controller state), or None when `eval.datasets` is empty. If the run will evaluate, its actor
+        starts its engine now, beside the training engines, without being waited for."""
+        if not sets:
+            return None
+        schedule = EvalSchedule(cfg.eval.every, cfg.run.steps, cfg.eval.at_end)
+        if controller_state:
+            schedule.restore(controller_state)
+        ev = cls(cfg, model_path, sets, schedule)
+        if (cfg.eval.before_first_step and step == 0) or schedule.any_due(step):
+            ev._actor().start.remote()
+        return ev
+
+    def _actor(self):
+        if self.actor is None:
+            import ray
+
+            from actors.evaluation import EvalActor
+
+            self.actor = ray.remote(EvalActor).options(num_cpus=0, num_gpus=self.cfg.rollout.gpus_per_actor,
+                                                       max_concurrency=4).remote(self.cfg, self.model_path, self.sets)
+        return self.actor
+
+    def submit(self, learner) -> None:
+        """Evaluate the learner's current weights, unless that version was evaluated already or the
+        previous evaluation still runs (then skipped and counted: training never waits for evaluation)."""
+        version = learner.version
+        if version == self.schedule.last_version:
+            return
+        if self.pending is not None:
+            self.collect()
+        if self.pending is not None:
+            self.schedule.skipped += 1
+            return
+        refs = learner.weight_buckets(self.cfg.weight_sync.bucket_mb)  # held by the task until it has loaded them
+        self.pending = self._actor().evaluate.remote(refs, version)
+        self.pending_version, self.started_at = version, time.perf_counter()
+        self.schedule.requested += 1
+        self.schedule.last_version = version
+
+    def collect(self, wait: bool = False) -> dict[str, float]:
+        """The metrics of the evaluation in flight if it has finished (or, with `wait`, once it has)."""
+        import ray
+
+        if self.pending is None:
+            return {}
+        ready, _ = ray.wait([self.pending], timeout=None if wait else 0)
+        if not ready:
+            return {}
+        sets, self.pending = ray.get(self.pending), None
+        self.schedule.completed += 1
+        out = {"timing_s/eval": time.perf_counter() - self.started_at}
+        for r in sets:
+            out.update(summarize(r, self.cfg.eval.k, self.cfg.eval.correct_threshold))
+        self.results.append(out)
+        return out
+
+    def after_step(self, step: int, learner) -> dict[str, float]:
+        """Called once per step once the new weights are out; never waits: the results that have arrived,
+        and a new evaluation if one is due. At the last step an evaluation still running at an older
+        version is superseded by the final one (see `finish`)."""
+        out = self.collect()
+        if self.schedule.due(step):
+            if step == self.schedule.steps and learner.version != self.schedule.last_version:
+                self.cancel()
+            self.submit(learner)
+        return {**out, **self.schedule.state()}
+
+    def finish(self) -> dict[str, float]:
+        """After the last step: wait for the evaluation in flight (the final one, if due)."""
+        return {**self.collect(wait=True), **self.schedule.state()}
+
+    def cancel(self) -> None:
+        """Drop the evaluation in flight (counted as skipped); the actor aborts its requests."""
+        import ray
+
+        if self.pending is not None:
+            ray.cancel(self.pending)
+            self.pending = None
+            self.schedule.skipped += 1
+
+    def stop(self) -> None:
+        import ray
+
+        self.cancel()
+        if self.actor is not None:
+            ray.kill(self.actor)
