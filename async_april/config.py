@@ -38,7 +38,7 @@ class RunConfig(Section):
     dir: str = "runs/${name}"
     """Run directory: config.yaml, metrics.jsonl and checkpoints go here. `${name}` expands to `run.name`."""
     steps: int = Field(40, ge=1, le=10_000_000)
-    """Number of learner steps (one optimizer update each)."""
+    """Number of learner steps (one rollout batch each; `learner.mini_batches` optimizer updates per step)."""
     seed: int = Field(1234, ge=0)
     """Seed for data order, sampling and model initialisation."""
     ray_address: str | None = None

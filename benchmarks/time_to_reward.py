@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         for seed in a.seeds:
             for label, mode, extra in plans:
                 runs.append(run_one(label, mode, seed, a.steps, a.target, Path(tmp), extra))
+                # after every run, so that a long benchmark cut short still leaves what it measured
+                write_json(name + ".json", {"target": a.target, "partial": True, "summary": summarize(runs, baseline), "runs": runs})
     summary = summarize(runs, baseline)
     print(table(summary, a.target, baseline))
     png = plot_curves({f"{r['label']} s{r['seed']}": r["curve"] for r in runs}, RESULTS / f"{name}.png",
