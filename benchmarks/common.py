@@ -22,7 +22,10 @@ def mode_config(mode: str, tmp: Path, overrides: list[str], base: str = "configs
     """The tiny CPU config with a mode preset layered on top, in a fresh run directory under tmp."""
     path = tmp / f"{mode}.yaml"
     path.write_text(f"defaults:\n  - {REPO / base}\n  - {REPO}/configs/presets/{mode}.yaml\n")
-    return load_config(path, [f"run.dir={tmp}/{mode}-{time.time_ns()}", "logging.console_every=1000000", *overrides])
+    # No held-out evaluation (the tiny config evaluates every 20 steps): these figures compare training
+    # alone, as when they were recorded; benchmarks/eval_overhead.py measures what evaluation costs.
+    return load_config(path, [f"run.dir={tmp}/{mode}-{time.time_ns()}", "logging.console_every=1000000",
+                              "eval.datasets=[]", *overrides])
 
 
 def run(cfg: Config, learner_factory=None) -> list[dict]:

@@ -10,8 +10,10 @@ greedy reward by policy version; the training reward of both runs (evaluation mu
 
     python benchmarks/eval_overhead.py                      # 200 steps each
     python benchmarks/eval_overhead.py --steps 100 --first  # shorter; also evaluate the initial policy
+    python benchmarks/eval_overhead.py --first --on-first   # the other order (run-to-run spread)
 
-Writes benchmarks/results/eval_overhead.json and eval_overhead.png (eval reward by version).
+Writes benchmarks/results/eval_overhead.json and eval_overhead.png (eval reward by version);
+with --on-first, eval_overhead_on_first.*.
 """
 
 from __future__ import annotations
@@ -55,17 +57,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--first", action="store_true", help="also evaluate the initial policy (eval.before_first_step)")
+    ap.add_argument("--on-first", action="store_true",
+                    help="run eval-on before eval-off (the other order; writes eval_overhead_on_first.json/png)")
     a = ap.parse_args()
     base = [f"run.steps={a.steps}"]
+    name = "eval_overhead_on_first" if a.on_first else "eval_overhead"
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        off = run_one("eval-off", tmp, [*base, "eval.datasets=[]"])
-        on = run_one("eval-on", tmp, [*base, f"eval.before_first_step={str(a.first).lower()}"])
+        runs = {"eval-off": [*base, "eval.datasets=[]"], "eval-on": [*base, f"eval.before_first_step={str(a.first).lower()}"]}
+        order = ["eval-on", "eval-off"] if a.on_first else ["eval-off", "eval-on"]
+        done = {label: run_one(label, tmp, runs[label]) for label in order}
+        off, on = done["eval-off"], done["eval-on"]
     last = on[-1]
     evals = [{k.split("/")[-1]: r[k] for k in r if k.startswith("eval/reverse/")} | {"step": r["train/step"],
              "eval_s": r.get("timing_s/eval")} for r in on if "eval/reverse/version" in r]
     result = {
-        "config": "configs/tiny_cpu.yaml", "overrides": base, "eval_before_first_step": a.first,
+        "config": "configs/tiny_cpu.yaml", "overrides": base, "eval_before_first_step": a.first, "order": order,
         "eval_off": describe(off), "eval_on": describe(on),
         "step_time_ratio_on_over_off": describe(on)["step_s_median"] / describe(off)["step_s_median"],
         "evaluations": {"requested": last["eval/requested"], "completed": last["eval/completed"],
@@ -73,9 +80,9 @@ def main() -> None:
         "eval_s_median": statistics.median(e["eval_s"] for e in evals) if evals else None,
         "eval_by_version": evals,
     }
-    out = write_json("eval_overhead.json", result)
+    out = write_json(f"{name}.json", result)
     curves = eval_curves(on)
-    plot_curves(curves, RESULTS / "eval_overhead.png", "policy version (step)", "held-out reward (256 prompts)")
+    plot_curves(curves, RESULTS / f"{name}.png", "policy version (step)", "held-out reward (256 prompts)")
 
     print(f"\n{'run':<10} {'steps':>6} {'median step s':>14} {'mean step s':>12} {'wall s':>8} {'train reward':>20}")
     for label, rows in (("eval off", off), ("eval on", on)):
@@ -88,7 +95,7 @@ def main() -> None:
     for e in evals:
         print(f"{int(e['version']):>8} {e['mean_reward']:>12.3f} {e.get('greedy_reward', float('nan')):>8.3f} "
               f"{e['pass@1']:>8.3f} {e['pass@k']:>8.3f} {e['mean_length']:>8.1f} {e['eval_s'] or 0:>7.1f}")
-    print(f"\nwrote {out} and {RESULTS / 'eval_overhead.png'}")
+    print(f"\nwrote {out} and {RESULTS / (name + '.png')}")
 
 
 if __name__ == "__main__":
