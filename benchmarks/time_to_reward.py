@@ -10,8 +10,9 @@ ratio of each median to sync's. A PNG plots reward against wall time.
     python benchmarks/time_to_reward.py --seeds 1234 7 --steps 200 --target 0.55
     python benchmarks/time_to_reward.py --modes sync async --seeds 1234 7 42
     python benchmarks/time_to_reward.py --ablation              # async eta 4 / 8, correction on vs off
+    python benchmarks/time_to_reward.py --policies --seeds 1234 7 42   # async, on_weight_update interrupt vs continue
 
-Writes benchmarks/results/time_to_reward.json (or correction_ablation.json) and a PNG beside it.
+Writes benchmarks/results/time_to_reward.json (or correction_ablation.json, in_flight_ttr.json) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -83,8 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=0.55)
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (sync is the baseline)")
     ap.add_argument("--ablation", action="store_true", help="async at eta 4 and 8, correction direct vs none")
+    ap.add_argument("--policies", action="store_true", help="async with on_weight_update interrupt vs continue")
     a = ap.parse_args(argv)
-    if a.ablation:
+    if a.policies:
+        plans = [(f"async {p}", "async", [f"rollout.on_weight_update={p}"]) for p in ("interrupt", "continue")]
+        baseline, name = "async interrupt", "in_flight_ttr"
+    elif a.ablation:
         plans = [(f"async eta{eta} {corr}", "async", [f"async.max_staleness={eta}", f"rollout.over_provision={eta + 1}",
                                                        f"algorithm.correction={corr}"])
                  for eta in (4, 8) for corr in ("direct", "none")]
