@@ -87,6 +87,10 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    reprefill_tokens: int = 0
+    """Prefill tokens the engine itself recomputed for requests it was already running (a cache
+    rebuilt after a weight update). Resumes the caller asks for are counted by the caller
+    (`GenerationActor`), so every engine reports `rollout/reprefill_tokens` the same way."""
 
 
 @runtime_checkable
@@ -109,11 +113,19 @@ class Engine(Protocol):
         ...
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Load new full weights bucket by bucket, then report `version`. Callers abort or drain first."""
+        """Load new full weights bucket by bucket, then report `version`. Callers abort or drain first;
+        requests still running get their cache recomputed with the new weights (counted in
+        `EngineStats.reprefill_tokens`)."""
         ...
 
     def stats(self) -> EngineStats:
         ...
+
+    # Optional capability (rollout.on_weight_update=continue; torch and simulated engines):
+    #   async def update_weights_in_flight(self, buckets, version) -> None
+    # loads the weights between two decode steps while requests keep running on their KV cache;
+    # every token sampled afterwards carries `version` and the logprob computed with the new
+    # weights over that (mixed) cache. See docs/async.md for the approximation.
 
     async def shutdown(self) -> None:
         ...

@@ -8,8 +8,10 @@ Every produced token keeps the logprob the engine recorded and the policy
 version of the weights that produced it; a resumed response appends a new
 segment to the partial one, so provenance survives any number of
 interruptions. On new weights the actor either interrupts (abort in flight,
-push partials, load, resume them first) or drains (finish in flight with the
-old weights, then load), per `rollout.on_weight_update`.
+push partials, load, resume them first), drains (finish in flight with the
+old weights, then load) or continues (the engine loads between two decode
+steps and the requests in flight keep their KV cache), per
+`rollout.on_weight_update`.
 
 A plain class; `train.py` wraps it with `ray.remote`. Its methods are async
 and interleave on one event loop, so no locks are needed.
@@ -88,6 +90,8 @@ class GenerationActor:
         self.outbox: list[tuple[Sample, bool]] = []
         """Samples returned by the engine, not yet pushed: (sample, aborted by an early stop)."""
         self.weight_load_s = 0.0
+        self.resume_prefill_tokens = 0
+        """Prompt + partial tokens sent again to resume aborted responses: re-prefill this actor asked for."""
         self.lease_block = max(1, cfg.rollout.concurrency // ADMISSION_BLOCK_DIVISOR)
         self._last_flush = 0.0
 
@@ -147,6 +151,8 @@ class GenerationActor:
                     seed=sampling_seed(self.cfg.run.seed, sample),
                 ),
             )
+            if sample.num_tokens:
+                self.resume_prefill_tokens += len(req.input_ids)
             res = await self.engine.generate(req)
             sample.extend(res.output_ids, res.logprobs, res.versions, res.finish_reason)
             self.generated_tokens += len(res.output_ids)
@@ -224,6 +230,8 @@ class GenerationActor:
 
         if isinstance(payload, str) and getattr(self.engine, "weight_update_mode", None) == "disk":
             return await self._load(lambda: self.engine.update_weights_from_disk(payload, version))  # the server reads the files
+        if self.cfg.rollout.on_weight_update == "continue":
+            return await self._load_in_flight(lambda: self.engine.update_weights_in_flight(iter_buckets(payload), version))
         return await self._load(lambda: self.engine.update_weights(iter_buckets(payload), version))
 
     async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:
@@ -251,6 +259,14 @@ class GenerationActor:
             await load()
         finally:
             self._reopen()
+        self.weight_load_s = time.perf_counter() - t0
+        return self.weight_load_s
+
+    async def _load_in_flight(self, load) -> float:
+        """`continue`: nothing is aborted or awaited and leasing stays open; the engine applies the
+        weights between two decode steps and the requests in flight go on with their KV cache."""
+        t0 = time.perf_counter()
+        await load()
         self.weight_load_s = time.perf_counter() - t0
         return self.weight_load_s
 
@@ -283,6 +299,8 @@ class GenerationActor:
             "perf/engine_idle_s": st.idle_s,
             "perf/engine_idle_frac": st.idle_s / total if total > 0 else 0.0,
             "perf/engine_generated_tokens": st.generated_tokens,
+            # Re-prefill asked for by resumes (any engine) plus caches an engine rebuilt itself.
+            "rollout/reprefill_tokens": self.resume_prefill_tokens + st.reprefill_tokens,
         }
 
     def version(self) -> int:

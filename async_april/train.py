@@ -7,7 +7,7 @@
                   v
               advantages ─> LearnerGroup.train_step (FSDP2 ranks) ─> version v+1
                                   │ weight buckets (object store / NCCL / disk)
-                                  └──> GenerationActor.update_weights (interrupt | drain)
+                                  └──> GenerationActor.update_weights (interrupt | drain | continue)
                                        then store.set_version(v+1) reopens admission
 
 What blocks on what: only `get_batch` waits for generation; generation waits
@@ -269,6 +269,7 @@ def _step_perf(last: dict, now: dict, step_s: float) -> dict[str, float]:
         "rollout/generated_tokens": tokens,
         "rollout/inflight": now["rollout/inflight"],
         "rollout/reward_errors": now["rollout/reward_errors"],
+        "rollout/reprefill_tokens": now["rollout/reprefill_tokens"],
     }
 
 

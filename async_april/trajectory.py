@@ -56,8 +56,12 @@ class Sample:
         """Append a generated segment (from a first attempt or a resume)."""
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"segment lengths differ: ids {len(ids)}, logprobs {len(logprobs)}, versions {len(versions)}")
-        if len(self.versions) and len(versions) and versions[0] < self.versions[-1]:
-            raise ValueError(f"{self.uid}: version went backwards ({self.versions[-1]} -> {versions[0]})")
+        # Versions may change inside a segment (an in-flight update, `on_weight_update: continue`),
+        # but never decrease along the response: staleness is read from the oldest token.
+        joined = np.concatenate([self.versions[-1:], np.asarray(versions, np.int64)])
+        if np.any(np.diff(joined) < 0):
+            i = int(np.argmax(np.diff(joined) < 0))
+            raise ValueError(f"{self.uid}: version went backwards ({joined[i]} -> {joined[i + 1]})")
         self.response_ids = np.concatenate([self.response_ids, np.asarray(ids, np.int64)])
         self.behavior_logprobs = np.concatenate([self.behavior_logprobs, np.asarray(logprobs, np.float32)])
         self.versions = np.concatenate([self.versions, np.asarray(versions, np.int64)])

@@ -15,6 +15,11 @@ aborted tokens discarded.
     python benchmarks/rollout_throughput.py                      # both engines
     python benchmarks/rollout_throughput.py --engine simulated --steps 8
     python benchmarks/rollout_throughput.py --engine torch --steps 20
+    python benchmarks/rollout_throughput.py --policies --engine both     # on_weight_update: interrupt / drain / continue
+
+`--policies` runs the async preset once per `rollout.on_weight_update` policy
+(plus sync as the baseline) and adds the engine's utilisation while busy
+(utilisation / (1 - idle)) and the tokens re-prefilled per step.
 
 Prints a table and writes benchmarks/results/rollout_throughput.json (rollout_throughput_ENGINE.json
 with --engine).
@@ -65,6 +70,8 @@ def summarize(rows: list[dict], warmup: int) -> dict[str, float]:
         "engine_idle_frac": statistics.mean(r["perf/engine_idle_frac"] for r in rows),
         "staleness_max": max(r["staleness/max"] for r in rows),
         "reward_mean": statistics.mean(r["rollout/reward_mean"] for r in rows),
+        "reprefill_tokens_per_step": (rows[-1].get("rollout/reprefill_tokens", 0.0) - rows[0].get("rollout/reprefill_tokens", 0.0))
+        / max(1, len(rows) - 1),
         "steps": len(rows),
         "wall_s": wall,
     }
@@ -175,6 +182,49 @@ def bench_torch(steps: int, tmp: Path) -> list[dict]:
     return out
 
 
+POLICIES = ("interrupt", "drain", "continue")
+
+
+def bench_policies(engine: str, steps: int, tmp: Path) -> list[dict]:
+    """Sync, then the async preset with each on_weight_update policy, on one workload per engine."""
+    from learners.simulated import SimulatedLearner
+
+    if engine == "simulated":
+        limit, scale = SIM_WORKLOADS["april"]
+        over = ["rollout.engine=simulated", "rollout.simulated_lengths=april", f"rollout.simulated_time_scale={scale}",
+                "rollout.batch_groups=32", "rollout.n_samples=8", "rollout.num_actors=2", "rollout.concurrency=128",
+                "run.pin_cpus=false", f"rollout.max_new_tokens={limit}", f"run.steps={steps}"]
+        async_extra = ["async.max_staleness=4", "rollout.over_provision=5"]  # as in bench_simulated
+        ceiling = steady_state_simulated(mode_config("sync", tmp, over), seconds=10.0) * 2
+        factory, workload = (lambda *_: SimulatedLearner(step_s=30.0, time_scale=scale)), "april"
+    else:
+        over = [f"run.steps={steps}", "rollout.concurrency=64"]
+        async_extra = []
+        ceiling = steady_state_torch(mode_config("sync", tmp, over), seconds=15.0)
+        factory, workload = None, "tiny-reverse"
+    out = []
+    for mode, policy in [("sync", "drain"), *(("async", p) for p in POLICIES)]:
+        cfg = mode_config(mode, tmp, over + (async_extra if mode == "async" else []) + [f"rollout.on_weight_update={policy}"])
+        progress(f"{engine}/{workload}: {mode} ({policy})")
+        s = summarize(run(cfg, learner_factory=factory), warmup=2)
+        s["utilisation"] = s["generated_tokens_per_s"] / ceiling
+        s["utilisation_while_busy"] = s["utilisation"] / max(1e-9, 1.0 - s["engine_idle_frac"])
+        out.append({"engine": engine, "workload": workload, "mode": mode if mode == "sync" else f"async/{policy}",
+                    "on_weight_update": policy, **s, "steady_state_tokens_per_s": ceiling})
+    return out
+
+
+def policy_table(results: list[dict]) -> str:
+    head = (f"{'engine':<10}{'workload':<14}{'mode':<17}{'useful tok/s':>13}{'x sync':>8}{'idle':>7}{'util':>7}"
+            f"{'busy util':>10}{'reprefill/step':>15}{'stale':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r['engine']:<10}{r['workload']:<14}{r['mode']:<17}{r['useful_tokens_per_s']:>13.0f}"
+                     f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{r['utilisation']:>7.2f}"
+                     f"{r['utilisation_while_busy']:>10.2f}{r['reprefill_tokens_per_step']:>15.0f}{r['staleness_max']:>6}")
+    return "\n".join(lines)
+
+
 def add_ratios(results: list[dict]) -> None:
     for r in results:
         sync = next(x for x in results if x["engine"] == r["engine"] and x["workload"] == r["workload"] and x["mode"] == "sync")
@@ -196,8 +246,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["simulated", "torch", "both"], default="both")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode (default: 8 simulated, 25 torch)")
+    ap.add_argument("--policies", action="store_true", help="async preset per rollout.on_weight_update policy (and sync)")
     a = ap.parse_args(argv)
     results: list[dict] = []
+    if a.policies:
+        engines = ["simulated", "torch"] if a.engine == "both" else [a.engine]
+        with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:
+            for engine in engines:
+                results += bench_policies(engine, a.steps or (8 if engine == "simulated" else 25), Path(tmp))
+        add_ratios(results)
+        print(policy_table(results))
+        name = "in_flight_updates.json" if a.engine == "both" else f"in_flight_updates_{a.engine}.json"
+        print(f"wrote {write_json(name, {'results': results})}")
+        return
     with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:
         if a.engine in ("simulated", "both"):
             results += bench_simulated(a.steps or 8, Path(tmp))

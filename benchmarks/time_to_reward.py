@@ -12,8 +12,9 @@ ratio of each median to sync's. A PNG plots reward against wall time.
     python benchmarks/time_to_reward.py --ablation --seeds 1234 7 42 --steps 160
         # sync and async at eta 4: correction direct / decoupled / decoupled with 4 mini-batches / none
     python benchmarks/time_to_reward.py --ablation --with-modes ...   # the async preset too (one run)
+    python benchmarks/time_to_reward.py --policies --seeds 1234 7 42   # async, on_weight_update interrupt vs continue
 
-Writes benchmarks/results/time_to_reward.json (or correction_ablation.json) and a PNG beside it.
+Writes benchmarks/results/time_to_reward.json (or correction_ablation.json, in_flight_ttr.json) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ablation", action="store_true",
                     help="sync and async at eta 4: correction direct, decoupled (1 and 4 mini-batches), none")
     ap.add_argument("--with-modes", action="store_true", help="with --ablation: also the async preset (time to reward)")
+    ap.add_argument("--policies", action="store_true", help="async with on_weight_update interrupt vs continue")
     a = ap.parse_args(argv)
     plans = [(mode, mode, []) for mode in MODES if mode in a.modes]
     baseline, name = "sync", "time_to_reward"
-    if a.ablation:
+    if a.policies:
+        plans = [(f"async {p}", "async", [f"rollout.on_weight_update={p}"]) for p in ("interrupt", "continue")]
+        baseline, name = "async interrupt", "in_flight_ttr"
+    elif a.ablation:
         eta4 = ["async.max_staleness=4", "rollout.over_provision=5"]
         plans = [("sync", "sync", [])] + [
             (label, "async", eta4 + extra) for label, extra in [

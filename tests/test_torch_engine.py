@@ -2,12 +2,15 @@
 
 fp32, tolerance 1e-4, with many concurrent requests of different lengths joining
 at different decode steps, and across abort -> weight update -> resume and a
-weight update in the middle of decoding.
+weight update in the middle of decoding. An in-flight update that keeps the KV
+cache is checked against a replay of the engine's own forwards over the mixed
+cache (weights 0 for the tokens fed before the load, weights 1 after).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import numpy as np
 import pytest
@@ -42,10 +45,7 @@ _MODELS: dict[int, torch.nn.Module] = {}
 
 
 def teacher_forced(model_dir, state, prompt, out_ids, temperature=1.0) -> np.ndarray:
-    if id(state) not in _MODELS:
-        _MODELS[id(state)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        _MODELS[id(state)].load_state_dict(state)
-    m = _MODELS[id(state)]
+    m = _model(model_dir, state)
     ids = torch.as_tensor(np.concatenate([prompt, out_ids]), dtype=torch.long)[None]
     with torch.no_grad():
         lp = torch.log_softmax(m(ids).logits[0].float() / temperature, -1)
@@ -129,14 +129,15 @@ def test_update_between_decode_steps_tags_each_token(model_dir, weights):
             while eng.stats().generated_tokens < 20:
                 await asyncio.sleep(0.002)
             await eng.update_weights([weights[1]], version=1)
-            return await task
+            return await task, eng.stats()
         finally:
             await eng.shutdown()
 
-    res = asyncio.run(main())
+    res, stats = asyncio.run(main())
     v = res.versions
     k = int(np.argmax(v == 1))
     assert v[0] == 0 and v[-1] == 1 and 0 < k < 300 and np.all(v[:k] == 0) and np.all(v[k:] == 1)
+    assert stats.reprefill_tokens == len(prompt) + k - 1  # the row's cache was rebuilt with weights 1 (counted)
     for ver in (0, 1):
         ref = teacher_forced(model_dir, weights[ver], prompt, res.output_ids)
         np.testing.assert_allclose(res.logprobs[v == ver], ref[v == ver], atol=TOL)
@@ -227,3 +228,74 @@ def test_failed_weight_update_changes_nothing(model_dir, weights):
     for why, outcome in outcomes.items():
         assert outcome.endswith("equal=True version=0") and not outcome.startswith("accepted"), (why, outcome)
     assert landed and version == 1
+
+
+def mixed_cache_logprobs(model_dir, weights, prompt, out_ids, k, temperature=1.0) -> np.ndarray:
+    """Replay of what the engine computes for a row whose first k tokens were sampled with weights 0
+    and the rest after an in-flight load of weights 1 that kept the cache: prompt + out[:k-1] go
+    through weights 0 into a KV cache (out[k-1] is sampled but not yet fed at the load), then every
+    later token is fed through weights 1 on top of that cache. k = 0: the row started after the load."""
+    from transformers import DynamicCache
+
+    m0, m1 = (_model(model_dir, weights[v]) for v in (0, 1))
+    seq = torch.as_tensor(np.concatenate([prompt, out_ids]), dtype=torch.long)[None]
+    split = len(prompt) + k - 1 if k > 0 else 0
+    cache = DynamicCache(config=m0.config)
+    kw = "cache" if "cache" in inspect.signature(m0.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        parts = [m0(seq[:, :split], use_cache=True, **{kw: cache}).logits[0]] if split else []
+        parts.append(m1(seq[:, split:-1], use_cache=True, **{kw: cache}).logits[0])
+    lp = torch.log_softmax(torch.cat(parts).float() / temperature, -1)
+    return lp[len(prompt) - 1 :].gather(-1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+def _model(model_dir, state):
+    if id(state) not in _MODELS:
+        _MODELS[id(state)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        _MODELS[id(state)].load_state_dict(state)
+    return _MODELS[id(state)]
+
+
+def test_in_flight_update_keeps_the_cache_and_records_the_engines_own_logprobs(model_dir, weights):
+    """on_weight_update=continue: rows keep their KV cache across the load (nothing re-prefilled),
+    versions switch exactly at the load, and each logprob is the engine's forward over the mixed cache."""
+    rng = np.random.default_rng(5)
+    reqs = [req(f"k{i}#", rng.integers(4, 14, size=int(rng.integers(2, 12))), int(rng.integers(80, 140)), seed=50 + i)
+            for i in range(6)]
+
+    async def main():
+        eng = TorchEngine(model_dir, max_running=4, max_batch_tokens=256, eos_token_ids=())
+        await eng.start()
+        try:
+            async def one(i, r):
+                await asyncio.sleep(0.003 * i)
+                return await eng.generate(r)
+
+            tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(reqs)]
+            while eng.stats().generated_tokens < 30:
+                await asyncio.sleep(0.002)
+            await eng.pause()  # hold the engine at a step boundary to count the tokens sampled before the load
+            before = eng.stats().generated_tokens
+            await eng.update_weights_in_flight([weights[1]], version=1)
+            await eng.resume()
+            return await asyncio.gather(*tasks), before, eng.stats()
+        finally:
+            await eng.shutdown()
+
+    results, before, stats = asyncio.run(main())
+    assert stats.reprefill_tokens == 0
+    assert stats.prefill_tokens == sum(len(r.input_ids) for r in reqs)  # every prompt prefilled once, nothing again
+    ks, kept = [], 0
+    for r, res in zip(reqs, results):
+        v = res.versions
+        assert len(res.output_ids) == r.sampling.max_new_tokens and set(v.tolist()) <= {0, 1}
+        assert np.all(np.diff(v) >= 0), "versions decreased along a response"
+        k = int((v == 0).sum())
+        ks.append(k)
+        np.testing.assert_allclose(res.logprobs, mixed_cache_logprobs(model_dir, weights, r.input_ids, res.output_ids, k),
+                                   atol=TOL, err_msg=r.request_id)
+        if 0 < k < len(v):  # a re-prefilled row would match weights 1 teacher-forced instead
+            rebuilt = teacher_forced(model_dir, weights[1], r.input_ids, res.output_ids)
+            kept += np.abs(res.logprobs[k:] - rebuilt[k:]).max() > 1e-3
+    assert sum(ks) == before  # the switch is exactly at the load: every token before it is version 0
+    assert kept >= 2 and any(k == 0 for k in ks)  # rows running across the load, and rows started after it

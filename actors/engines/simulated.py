@@ -6,6 +6,12 @@ is drawn from a distribution and every decode step costs
 
     step_s = a + b * running_requests + c * batch_tokens (+ p * prefill tokens admitted this step)
 
+Prefill is costed per token, so a resumed request (prompt + partial response)
+pays for its whole context again, and `update_weights` re-prefills the
+requests still running (counted in `reprefill_tokens`), while
+`update_weights_in_flight` lets them continue on their cache: the three
+`rollout.on_weight_update` policies can be compared at paper scale.
+
 simulated seconds, where batch_tokens is the context (prompt + generated) held
 by the running batch. Real time is simulated time times `time_scale`, so
 "minutes" of GPU time run in seconds (time_scale=0.01 is 100x faster).
@@ -58,12 +64,16 @@ class LatencyModel:
     The defaults are roughly a 4B dense model in bf16 on one H100-class GPU: `a` reads the
     weights (~8 ms), `c` reads the KV cache (~150 KB per token of context at ~3 TB/s), so a
     full batch of 128 requests at 8k context decodes ~2,000 tokens/s and a lone 16k-token
-    straggler ~110 tokens/s: the long-tail penalty partial rollouts remove."""
+    straggler ~110 tokens/s: the long-tail penalty partial rollouts remove. Prefill is compute-
+    bound: ~8 GFLOP per token (2 x 4B parameters) plus attention over ~8k of context (~3 GFLOP)
+    at ~500 TFLOP/s (half of an H100's bf16 peak) is ~2e-5 s per token, so re-prefilling 128
+    requests of 8k context costs ~20 s: what `on_weight_update: interrupt` pays per update."""
 
     a: float = 0.008
     b: float = 5e-5
     c: float = 5e-8
-    prefill_s_per_token: float = 2e-6
+    prefill_s_per_token: float = 2e-5
+    """Was 2e-6 (4 PFLOP/s, ten times what one GPU does) until issue 16; figures before it used that."""
     update_s: float = 2.0
     """Simulated seconds to load new weights (the engine produces nothing meanwhile)."""
 
@@ -164,6 +174,8 @@ class SimulatedEngine:
         self._wake: asyncio.Event | None = None
         self.sim_time_s = 0.0
         self._chunk: tuple[float, np.ndarray, int] | None = None
+        self._unpaid_prefill = 0
+        """Prefill tokens (admitted requests, caches rebuilt after an update) not yet costed."""
 
     @property
     def version(self) -> int:
@@ -208,9 +220,16 @@ class SimulatedEngine:
         await self._command("abort", next(self._seq))
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load; requests still running have their context re-prefilled (costed, counted)."""
         for _ in buckets:  # consume, as a real engine would; the tensors themselves are ignored
             pass
-        await self._command("update", version)
+        await self._command("update", (version, False))
+
+    async def update_weights_in_flight(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load between decode steps; requests still running keep their KV cache (no re-prefill)."""
+        for _ in buckets:
+            pass
+        await self._command("update", (version, True))
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -219,7 +238,7 @@ class SimulatedEngine:
             t, cum_real, B = self._chunk
             in_chunk = B * int(np.searchsorted(cum_real, time.perf_counter() - t, "right"))
         extra = dict(s.extra, real_s=time.perf_counter() - self._t0 if self._task else 0.0, sim_time_s=self.sim_time_s)
-        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens + in_chunk, s.prefill_tokens, extra)
+        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens + in_chunk, s.prefill_tokens, extra, s.reprefill_tokens)
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -241,8 +260,11 @@ class SimulatedEngine:
         """Advance k decode steps at a time (k = steps until the next finish), waking early on any event."""
         while True:
             await self._handle_commands()
-            prefill = self._admit()
+            # Prefill (admitted requests, caches rebuilt by an update) is paid with the next step.
+            self._unpaid_prefill += self._admit()
+            prefill = self._unpaid_prefill
             if not self._running:
+                self._unpaid_prefill = 0  # whatever it was for was aborted before running a step
                 t = time.perf_counter()
                 self._wake.clear()
                 await self._wake.wait()
@@ -263,11 +285,15 @@ class SimulatedEngine:
                 except asyncio.TimeoutError:
                     pass
                 j = k if not self._wake.is_set() else int(np.searchsorted(cum * self.time_scale, time.perf_counter() - t, "right"))
+                if j < k:  # a step once started runs to its end, as a forward pass does: events wait for it
+                    await asyncio.sleep(max(0.0, cum[j] * self.time_scale - (time.perf_counter() - t)))
+                    j += 1
             else:
                 j = k
                 await asyncio.sleep(0)
             self._chunk = None
             if j:
+                self._unpaid_prefill = 0
                 self._advance(j, float(cum[j - 1]))
 
     def _admit(self) -> int:
@@ -308,12 +334,18 @@ class SimulatedEngine:
                 self._running = [r for r in self._running if r.seq > arg]
                 self._waiting = [r for r in self._waiting if r.seq > arg]
             elif kind == "update":
+                version, keep_cache = arg
                 if self.time_scale > 0:
                     await asyncio.sleep(self.latency.update_s * self.time_scale)
                 self.sim_time_s += self.latency.update_s
-                self._version = int(arg)
+                self._version = int(version)
                 for r in self._running:
                     r.marks.append((r.done, self._version))
+                if not keep_cache:  # the running requests' cache is recomputed with the new weights
+                    n = sum(r.context for r in self._running)
+                    self._unpaid_prefill += n
+                    self._stats.prefill_tokens += n
+                    self._stats.reprefill_tokens += n
             if not fut.done():
                 fut.set_result(None)
 

@@ -8,6 +8,11 @@ responsive to `abort_all` / `update_weights` while a forward pass runs.
     abort_all() / update_weights() +        (commands run between steps; results go back with
                                              loop.call_soon_threadsafe)
 
+A weight update runs between two decode steps. `update_weights` rebuilds the
+cache of rows still running with the new weights (a re-prefill, counted);
+`update_weights_in_flight` keeps it, so those rows continue at once and only
+tokens fed after the load go through the new weights.
+
 The running batch is one left-padded `DynamicCache` ([B, H, T, D] per layer)
 plus a [B, T] attention mask. New requests are prefilled as their own
 left-padded batch and merged in by left-padding whichever cache is shorter;
@@ -159,7 +164,12 @@ class TorchEngine:
         await self._command("abort", lambda r: r.req.request_id.startswith(prefix))
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        await self._command("update", (buckets, version))
+        """Load between decode steps; rows still running get their cache rebuilt with the new weights."""
+        await self._command("update", (buckets, version, False))
+
+    async def update_weights_in_flight(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load between decode steps; rows still running keep their KV cache (rollout.on_weight_update=continue)."""
+        await self._command("update", (buckets, version, True))
 
     async def pause(self) -> None:
         """Stop decoding between steps (running requests keep their cache) until `resume()`."""
@@ -170,7 +180,7 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         s = self._stats
-        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens, s.prefill_tokens, dict(s.extra))
+        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens, s.prefill_tokens, dict(s.extra), s.reprefill_tokens)
 
     async def shutdown(self) -> None:
         if self._thread is None:
@@ -236,7 +246,7 @@ class TorchEngine:
                 if kind == "abort":
                     self._abort(val)
                 elif kind == "update":
-                    self._load_weights(*val)
+                    self._update(*val)
                 elif kind == "pause":
                     self._paused = val
                 loop.call_soon_threadsafe(_resolve, fut, out, None)
@@ -283,7 +293,13 @@ class TorchEngine:
         for p, tensor in staged:
             p.data.copy_(tensor.to(device=p.device, dtype=p.dtype), non_blocking=True)
         self._version = version
-        if self._running:
+
+    def _update(self, buckets: Iterable[WeightBucket], version: int, keep_cache: bool) -> None:
+        """Runs between two decode steps. With keep_cache the running rows go on with the KV of
+        their earlier tokens as the old weights computed it (PipelineRL's in-flight update); the
+        next decode step feeds each row's last sampled token through the new weights."""
+        self._load_weights(buckets, version)
+        if self._running and not keep_cache:
             self._reprefill()
 
     def _reprefill(self) -> None:
@@ -306,6 +322,7 @@ class TorchEngine:
         self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
                    use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         self._stats.prefill_tokens += sum(len(x) for x in seqs)
+        self._stats.reprefill_tokens += sum(len(x) for x in seqs)
         self._cache, self._mask = cache, mask
 
     def _admit(self) -> None:
