@@ -318,7 +318,10 @@ class StandinServer:
         self._state = StandinState(self.engine, self.model_path, self.port, self.tp_size, self.deterministic)
         self._runner = web.AppRunner(build_app(self._state, self.sessions))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=False)
+        # SO_REUSEADDR, as uvicorn (SGLang's HTTP server) sets it: a server restarted on its port must
+        # bind while the old connections sit in TIME_WAIT. On Linux it never lets two servers listen
+        # on one port, so a neighbour on our port is still refused.
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
         self.port = self._state.port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

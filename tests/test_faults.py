@@ -368,8 +368,11 @@ def test_sglang_server_down_mid_run_returns_samples_and_recovers(cluster, tmp_pa
     srv = StandinServer(model, max_running=64)
     url = srv.start()
     port = srv.port
+    while not srv.state.ready:  # transformers' lazy imports race across threads: let the stand-in load first
+        time.sleep(0.05)
     cfg = make_cfg(tmp_path, "run.steps=3", "rollout.engine=sglang", f"rollout.sglang.url={url}",
-                   "rollout.sglang.retries=1", "rollout.sglang.request_timeout_s=20", "rollout.max_actor_restarts=2")
+                   "rollout.sglang.retries=1", "rollout.sglang.request_timeout_s=20", "rollout.max_actor_restarts=2",
+                   "rollout.sglang.startup_timeout_s=60")  # a server that never comes back fails, not hangs
     servers = [srv]
 
     def on_step(step, batch, learner):
