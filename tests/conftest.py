@@ -26,3 +26,14 @@ def no_pickle(monkeypatch):
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "Unpickler", Refused)
+
+
+@pytest.fixture(scope="module")
+def standin(model_dir):
+    """The SGLang stand-in (tests/sglang_standin.py) serving the test module's own `model_dir`."""
+    from tests.sglang_standin import StandinServer
+
+    srv = StandinServer(model_dir, max_running=64)
+    srv.start()
+    yield srv
+    srv.stop()

@@ -52,14 +52,6 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_test_model_dir(tmp_path_factory.getbasetemp() / "tiny-engine-model"))
 
 
-@pytest.fixture(scope="module")
-def standin(model_dir):
-    srv = StandinServer(model_dir, max_running=64)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture
 def harness(request, model_dir, tmp_path) -> Harness:
     kind = request.param

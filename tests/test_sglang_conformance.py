@@ -55,14 +55,6 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_test_model_dir(tmp_path_factory.getbasetemp() / "tiny-conformance-model"))
 
 
-@pytest.fixture(scope="module")
-def standin(model_dir):
-    srv = StandinServer(model_dir, max_running=64)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 def req(rid: str, max_new: int, seed: int = 0) -> GenerateRequest:
     return GenerateRequest(rid, PROMPT, SamplingParams(max_new_tokens=max_new, seed=seed))
 
