@@ -26,7 +26,7 @@ from actors.engines.simulated import SimulatedEngine
 pytest.importorskip("aiohttp", reason="the SGLang client and its stand-in server need aiohttp")
 from actors.engines.sglang_engine import SGLangEngine
 from actors.engines.torch_engine import TorchEngine
-from tests.sglang_standin import StandinServer, make_test_model_dir
+from tests.sglang_standin import make_test_model_dir
 
 torch.set_num_threads(1)
 
