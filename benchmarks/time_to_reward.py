@@ -13,6 +13,7 @@ ratio of each median to sync's. A PNG plots reward against wall time.
         # sync and async at eta 4: correction direct / decoupled / decoupled with 4 mini-batches / none
     python benchmarks/time_to_reward.py --ablation --with-modes ...   # the async preset too (one run)
     python benchmarks/time_to_reward.py --policies --seeds 1234 7 42   # async, on_weight_update interrupt vs continue
+    python benchmarks/time_to_reward.py --ablation ... --resume   # keep the finished runs of a cut-short benchmark
 
 Writes benchmarks/results/time_to_reward.json (or correction_ablation.json, in_flight_ttr.json) and a PNG beside it.
 """
@@ -20,6 +21,7 @@ Writes benchmarks/results/time_to_reward.json (or correction_ablation.json, in_f
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -87,6 +89,15 @@ def table(summary: list[dict], target: float, baseline: str) -> str:
     return "\n".join(lines)
 
 
+def finished_runs(path: Path, steps: int) -> list[dict]:
+    """The runs of an earlier, cut-short invocation that used the same step count."""
+    if not path.exists():
+        return []
+    runs = [r for r in json.loads(path.read_text())["runs"] if r["steps"] == steps]
+    progress(f"resuming: {len(runs)} finished runs kept from {path.name}")
+    return runs
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 7])
@@ -97,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="sync and async at eta 4: correction direct, decoupled (1 and 4 mini-batches), none")
     ap.add_argument("--with-modes", action="store_true", help="with --ablation: also the async preset (time to reward)")
     ap.add_argument("--policies", action="store_true", help="async with on_weight_update interrupt vs continue")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in the results JSON (same label, seed and steps) and run only the rest")
     a = ap.parse_args(argv)
     plans = [(mode, mode, []) for mode in MODES if mode in a.modes]
     baseline, name = "sync", "time_to_reward"
@@ -116,10 +129,13 @@ def main(argv: list[str] | None = None) -> None:
         name = "correction_ablation"
         if a.with_modes:  # the time-to-reward runs too, sharing the sync runs
             plans.insert(1, ("async", "async", []))
-    runs = []
+    runs = finished_runs(RESULTS / f"{name}.json", a.steps) if a.resume else []
+    done = {(r["label"], r["seed"]) for r in runs}
     with tempfile.TemporaryDirectory(prefix="aa-ttr-") as tmp:
         for seed in a.seeds:
             for label, mode, extra in plans:
+                if (label, seed) in done:
+                    continue
                 runs.append(run_one(label, mode, seed, a.steps, a.target, Path(tmp), extra))
                 # after every run, so that a long benchmark cut short still leaves what it measured
                 write_json(name + ".json", {"target": a.target, "partial": True, "summary": summarize(runs, baseline), "runs": runs})
