@@ -58,7 +58,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     from async_april.models.tiny import resolve_model_path
     from learners.checkpoint import full_model_state
-    from learners.worker import write_hf_dir
+    from learners.hf_dir import write_hf_dir
 
     try:
         model_path = Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir))

@@ -26,7 +26,6 @@ import dataclasses
 import math
 import os
 import resource
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from learners import checkpoint as ckpt
+from learners.hf_dir import write_hf_dir
 from learners.logprobs import collate, response_logprobs
 from learners.update import mean_over_mini_batches, needs_proximal_forward, split_mini_batches
 from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
@@ -462,27 +462,6 @@ class LearnerWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def write_hf_dir(state_dict: dict[str, torch.Tensor], hf_config, model_path: str | Path, out: str | Path,
-                 dtype: str = "float32") -> Path:
-    """A Hugging Face model directory at `out`: `state_dict` (full tensors) cast to `dtype`, the model's
-    config, and the tokenizer / generation config / chat template files copied from `model_path`."""
-    from transformers import AutoModelForCausalLM
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in state_dict.items()}
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(hf_config)
-    shell.load_state_dict(sd, assign=True, strict=False)
-    shell.tie_weights()
-    shell.save_pretrained(out)
-    for f in Path(model_path).iterdir():  # tokenizer, generation config, chat template
-        if f.is_file() and not f.name.startswith(("model", "config.json", "pytorch_model")) and f.suffix != ".safetensors":
-            if not (out / f.name).exists():
-                shutil.copy2(f, out / f.name)
-    return out
 
 
 def merge_rank_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
