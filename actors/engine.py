@@ -87,6 +87,11 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    batch_rows: int = 0
+    """Running requests summed over decode steps: over `batch_capacity`, how full the batch was while busy
+    (a batch below `max_running` makes each step cost about the same for fewer tokens)."""
+    batch_capacity: int = 0
+    """`max_running` summed over decode steps."""
     reprefill_tokens: int = 0
     """Prefill tokens the engine itself recomputed for requests it was already running (a cache
     rebuilt after a weight update). Resumes the caller asks for are counted by the caller

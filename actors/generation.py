@@ -299,6 +299,8 @@ class GenerationActor:
             "perf/engine_idle_s": st.idle_s,
             "perf/engine_idle_frac": st.idle_s / total if total > 0 else 0.0,
             "perf/engine_generated_tokens": st.generated_tokens,
+            "perf/engine_batch_rows": st.batch_rows,
+            "perf/engine_batch_capacity": st.batch_capacity,
             # Re-prefill asked for by resumes (any engine) plus caches an engine rebuilt itself.
             "rollout/reprefill_tokens": self.resume_prefill_tokens + st.reprefill_tokens,
         }

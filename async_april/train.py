@@ -263,9 +263,13 @@ def _step_perf(last: dict, now: dict, step_s: float) -> dict[str, float]:
     busy = now["perf/engine_busy_s"] - last["perf/engine_busy_s"]
     idle = now["perf/engine_idle_s"] - last["perf/engine_idle_s"]
     tokens = now["perf/engine_generated_tokens"] - last["perf/engine_generated_tokens"]
+    capacity = now["perf/engine_batch_capacity"] - last["perf/engine_batch_capacity"]
     return {
         "perf/rollout_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
         "perf/engine_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
+        # How full the decode batch was while busy (engines that report it: torch, simulated).
+        "perf/engine_batch_occupancy": (now["perf/engine_batch_rows"] - last["perf/engine_batch_rows"]) / capacity
+        if capacity > 0 else 0.0,
         "rollout/generated_tokens": tokens,
         "rollout/inflight": now["rollout/inflight"],
         "rollout/reward_errors": now["rollout/reward_errors"],

@@ -19,7 +19,8 @@ aborted tokens discarded.
 
 `--policies` runs the async preset once per `rollout.on_weight_update` policy
 (plus sync as the baseline) and adds the engine's utilisation while busy
-(utilisation / (1 - idle)) and the tokens re-prefilled per step.
+(utilisation / (1 - idle)), the decode batch's occupancy (running requests per decode step over
+rollout.concurrency) and the tokens re-prefilled per step.
 
 Prints a table and writes benchmarks/results/rollout_throughput.json (rollout_throughput_ENGINE.json
 with --engine).
@@ -68,6 +69,7 @@ def summarize(rows: list[dict], warmup: int) -> dict[str, float]:
         "useful_tokens_per_s": sum(r["rollout/tokens"] for r in rows) / wall,
         "generated_tokens_per_s": sum(r["rollout/generated_tokens"] for r in rows) / wall,
         "engine_idle_frac": statistics.mean(r["perf/engine_idle_frac"] for r in rows),
+        "engine_batch_occupancy": statistics.mean(r["perf/engine_batch_occupancy"] for r in rows),
         "staleness_max": max(r["staleness/max"] for r in rows),
         "reward_mean": statistics.mean(r["rollout/reward_mean"] for r in rows),
         "reprefill_tokens_per_step": (rows[-1].get("rollout/reprefill_tokens", 0.0) - rows[0].get("rollout/reprefill_tokens", 0.0))
@@ -216,12 +218,12 @@ def bench_policies(engine: str, steps: int, tmp: Path) -> list[dict]:
 
 def policy_table(results: list[dict]) -> str:
     head = (f"{'engine':<10}{'workload':<14}{'mode':<17}{'useful tok/s':>13}{'x sync':>8}{'idle':>7}{'util':>7}"
-            f"{'busy util':>10}{'reprefill/step':>15}{'stale':>6}")
+            f"{'busy util':>10}{'occupancy':>10}{'reprefill/step':>15}{'stale':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(f"{r['engine']:<10}{r['workload']:<14}{r['mode']:<17}{r['useful_tokens_per_s']:>13.0f}"
                      f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{r['utilisation']:>7.2f}"
-                     f"{r['utilisation_while_busy']:>10.2f}{r['reprefill_tokens_per_step']:>15.0f}{r['staleness_max']:>6}")
+                     f"{r['utilisation_while_busy']:>10.2f}{r['engine_batch_occupancy']:>10.2f}{r['reprefill_tokens_per_step']:>15.0f}{r['staleness_max']:>6}")
     return "\n".join(lines)
 
 

@@ -162,6 +162,25 @@ def test_same_seed_same_tokens_whatever_the_batch(model_dir):
     np.testing.assert_allclose(alone.logprobs, crowded.logprobs, atol=TOL)
 
 
+def test_batch_occupancy_counts_running_rows_per_decode_step(model_dir):
+    """perf/engine_batch_occupancy's counters: 4 requests of 10 tokens on an engine with 8 slots. Each
+    request's first token comes from its prefill, the other 9 from decode steps of at most 4 rows."""
+
+    async def main():
+        eng = TorchEngine(model_dir, eos_token_ids=(), max_running=8)
+        await eng.start()
+        try:
+            await asyncio.gather(*(eng.generate(req(f"o{i}#", [1, 4 + i, 5], 10, seed=i)) for i in range(4)))
+            return eng.stats()
+        finally:
+            await eng.shutdown()
+
+    st = asyncio.run(main())
+    assert st.generated_tokens == 40 and st.batch_rows == 36
+    assert st.batch_capacity % 8 == 0 and st.batch_capacity >= 9 * 8  # 9 decode steps if all four joined at once
+    assert st.batch_rows / st.batch_capacity <= 0.5
+
+
 def test_stop_token_and_weight_update_errors(model_dir, weights):
     async def main():
         eng = TorchEngine(model_dir)  # default stop: the model's eos

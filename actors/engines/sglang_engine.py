@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import fcntl
 import io
 import itertools
@@ -411,7 +412,7 @@ class SGLangEngine:
 
     def stats(self) -> EngineStats:
         s = self._stats
-        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens, s.prefill_tokens, dict(s.extra))
+        return dataclasses.replace(s, extra=dict(s.extra))
 
 
 # ---------------------------------------------------------------------- replies

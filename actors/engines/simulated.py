@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -238,7 +239,7 @@ class SimulatedEngine:
             t, cum_real, B = self._chunk
             in_chunk = B * int(np.searchsorted(cum_real, time.perf_counter() - t, "right"))
         extra = dict(s.extra, real_s=time.perf_counter() - self._t0 if self._task else 0.0, sim_time_s=self.sim_time_s)
-        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens + in_chunk, s.prefill_tokens, extra, s.reprefill_tokens)
+        return dataclasses.replace(s, generated_tokens=s.generated_tokens + in_chunk, extra=extra)
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -315,6 +316,8 @@ class SimulatedEngine:
         self.sim_time_s += sim_s
         self._stats.busy_s += sim_s
         self._stats.generated_tokens += j * len(self._running)
+        self._stats.batch_rows += j * len(self._running)
+        self._stats.batch_capacity += j * self.max_running
         keep = []
         for r in self._running:
             r.done += j

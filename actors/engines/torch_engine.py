@@ -31,6 +31,7 @@ weight version of the step that produced it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import itertools
 import queue
@@ -180,7 +181,7 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         s = self._stats
-        return EngineStats(s.busy_s, s.idle_s, s.generated_tokens, s.prefill_tokens, dict(s.extra), s.reprefill_tokens)
+        return dataclasses.replace(s, extra=dict(s.extra))
 
     async def shutdown(self) -> None:
         if self._thread is None:
@@ -389,6 +390,8 @@ class TorchEngine:
                          **{self._cache_kw: self._cache})
         for r in rows:
             r.length += 1
+        self._stats.batch_rows += len(rows)
+        self._stats.batch_capacity += self.max_running
         self._sample_and_finish(out.logits[:, -1, :], 0)
 
     def _sample_and_finish(self, logits: torch.Tensor, first: int) -> None:
