@@ -126,7 +126,7 @@ class Engine(Protocol):
     def stats(self) -> EngineStats:
         ...
 
-    # Optional capability (rollout.on_weight_update=continue; torch and simulated engines):
+    # Optional capability (rollout.on_weight_update=continue; torch, simulated and SGLang engines):
     #   async def update_weights_in_flight(self, buckets, version) -> None
     # loads the weights between two decode steps while requests keep running on their KV cache;
     # every token sampled afterwards carries `version` and the logprob computed with the new

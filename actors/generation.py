@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from functools import partial
 
 
 from actors.engine import ADMISSION_BLOCK_DIVISOR, GenerateRequest, SamplingParams
@@ -228,11 +229,14 @@ class GenerationActor:
         learners/weight_sync.py), one bucket at a time. Returns seconds spent."""
         from learners.weight_sync import iter_buckets
 
+        in_flight = self.cfg.rollout.on_weight_update == "continue"
         if isinstance(payload, str) and getattr(self.engine, "weight_update_mode", None) == "disk":
-            return await self._load(lambda: self.engine.update_weights_from_disk(payload, version))  # the server reads the files
-        if self.cfg.rollout.on_weight_update == "continue":
-            return await self._load_in_flight(lambda: self.engine.update_weights_in_flight(iter_buckets(payload), version))
-        return await self._load(lambda: self.engine.update_weights(iter_buckets(payload), version))
+            load = partial(self.engine.update_weights_from_disk, payload, version, in_flight=in_flight)  # the server reads the files
+        elif in_flight:
+            load = partial(self.engine.update_weights_in_flight, iter_buckets(payload), version)
+        else:
+            load = partial(self.engine.update_weights, iter_buckets(payload), version)
+        return await (self._load_in_flight if in_flight else self._load)(load)
 
     async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:
         """NCCL transport (GPU, SGLang engine): join the learner's broadcast group."""
@@ -245,7 +249,9 @@ class GenerationActor:
         """NCCL transport: announce each bucket (names, dtypes, shapes) while learner rank 0 broadcasts it."""
 
         announced = [([s.name for s in b], [s.dtype for s in b], [list(s.shape) for s in b]) for b in plan]
-        return await self._load(lambda: self.engine.update_weights_from_distributed(announced, version))
+        in_flight = self.cfg.rollout.on_weight_update == "continue"
+        load = partial(self.engine.update_weights_from_distributed, announced, version, in_flight=in_flight)
+        return await (self._load_in_flight if in_flight else self._load)(load)
 
     async def _load(self, load) -> float:
         """Interrupt or drain per config, load, reopen leasing."""

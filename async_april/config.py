@@ -180,7 +180,7 @@ class RolloutConfig(Section):
     early_stop: bool = False
     """APRIL: once a batch is complete, abort in-flight requests; their partials resume first with the next weights."""
     on_weight_update: Literal["interrupt", "drain", "continue"] = "drain"
-    """On new weights: abort in-flight requests and resume them with the new weights (re-prefilling them), finish them first, or `continue`: load between decode steps and keep their KV cache (torch and simulated engines; see docs/async.md)."""
+    """On new weights: abort in-flight requests and resume them with the new weights (re-prefilling them), finish them first, or `continue`: load between decode steps and keep their KV cache (every engine; SGLang pauses in place and loads without a flush; see docs/async.md)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (counted) and replace them with new prompts."""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
@@ -435,14 +435,6 @@ class Config(Section):
             raise ValueError(
                 f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
                 f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
-            )
-        if r.on_weight_update == "continue" and r.engine == "sglang":
-            # The SGLang half (pause in place, update without a flush, continue) is not built yet;
-            # docs/async.md says what it must do against 0.5.23.
-            raise ValueError(
-                "rollout.on_weight_update=continue is not supported with rollout.engine=sglang yet "
-                "(its SGLang half -- pause in place, update without a flush -- is not built; docs/async.md); use interrupt or drain "
-                "with sglang, or continue with the torch or simulated engine"
             )
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")

@@ -24,6 +24,11 @@ cites the SGLang file it follows (paths under sglang/):
   prefixes (srt/managers/tokenizer_manager.py abort_request; the scheduler matches startswith);
 - paused (retract / in_place) nothing decodes and new requests wait until /continue_generation
   (tokenizer_manager.py pause_generation, scheduler.py);
+- a weight load while paused with mode=retract recomputes the running requests' KV cache with the
+  new weights (retract_all frees it; they are prefilled again after /continue_generation); paused
+  in_place, or not paused, they keep the KV the old weights built and decode on with the new
+  weights (scheduler.py pause_generation: in_place leaves running_batch untouched); the stand-in
+  counts the recomputed tokens in its engine's `reprefill_tokens`;
 - replies carry `weight_version` and `weight_versions` spans [start, end) of output tokens
   (srt/utils/weight_versions.py compute_weight_version_spans / add_weight_versions_to_meta_info);
 - sampling_seed is honoured only with --enable-deterministic-inference (srt/server_args.py);
@@ -103,6 +108,8 @@ class StandinState:
         self.weight_version = str(engine.version)
         self.requests: list[dict] = []
         """Every /generate body received (tests read what the client sent)."""
+        self.control: list[tuple[str, dict]] = []
+        """Every other POST as (path, body without the serialized tensors), in arrival order."""
 
     def idle_for_flush(self) -> bool:
         # retract moves running requests to the waiting queue, which a paused flush ignores (scheduler.py).
@@ -218,8 +225,10 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         return web.json_response({"success": True, "message": "Success"})
 
     async def load(buckets: list[dict], version: str | None, flush_cache: bool) -> web.Response:
+        # Retracted requests get their KV recomputed under the new weights; in place they keep the old KV.
+        update = engine.update_weights if state.paused == "retract" else engine.update_weights_in_flight
         try:
-            await engine.update_weights(buckets, int(version) if version is not None else engine.version)
+            await update(buckets, int(version) if version is not None else engine.version)
         except (KeyError, ValueError) as e:
             return error(400, str(e))
         if version is not None:
@@ -265,7 +274,19 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         state.weight_version = str(body["new_version"])
         return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}"})
 
-    app = web.Application(client_max_size=1 << 30)
+    @web.middleware
+    async def record_control(req: web.Request, handler):
+        if req.method == "POST" and req.path != "/generate":
+            try:
+                body = await req.json() if req.can_read_body else {}
+            except ValueError:
+                body = {}
+            if isinstance(body, dict):
+                body = {k: v for k, v in body.items() if k != "serialized_named_tensors"}
+            state.control.append((req.path, body))
+        return await handler(req)
+
+    app = web.Application(client_max_size=1 << 30, middlewares=[record_control])
     app.add_routes([
         web.get("/health", health), web.get("/health_generate", health),
         web.get("/model_info", model_info), web.get("/get_model_info", model_info),

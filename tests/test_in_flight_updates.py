@@ -1,6 +1,6 @@
-"""rollout.on_weight_update=continue outside the torch engine's own tests (tests/test_torch_engine.py):
-the simulated engine's re-prefill cost, staleness with versions that change mid-response, the config
-refusal for SGLang, and a real run through the generation actor (Ray, torch engine, FSDP2 learner)."""
+"""rollout.on_weight_update=continue outside the torch engine's own tests (tests/test_torch_engine.py)
+and the SGLang client's (tests/test_sglang_conformance.py, test_12): the simulated engine's re-prefill
+cost, staleness with versions that change mid-response, and a real run through the generation actor."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from actors.engine import GenerateRequest, SamplingParams
 from actors.engines.simulated import SimulatedEngine
 from async_april.algorithms.losses import staleness_metrics
-from async_april.config import ConfigError, load_config
+from async_april.config import load_config
 from async_april.trajectory import Sample
 from tests.test_store import finish, make_store
 
@@ -85,13 +85,6 @@ def test_a_segment_whose_version_decreases_is_refused():
         s.extend(np.arange(3), np.zeros(3), np.array([1, 2, 1]), "stop")
     with pytest.raises(ValueError, match=r"version went backwards \(1 -> 0\)"):
         s.extend(np.arange(2), np.zeros(2), np.array([0, 1]), "stop")
-
-
-def test_continue_is_refused_with_sglang_until_its_client_supports_it():
-    with pytest.raises(ConfigError, match="rollout.on_weight_update=continue is not supported with rollout.engine=sglang"):
-        load_config(None, ["rollout.engine=sglang", "rollout.on_weight_update=continue"])
-    for engine in ("torch", "simulated"):
-        assert load_config(None, [f"rollout.engine={engine}", "rollout.on_weight_update=continue"]).rollout.on_weight_update == "continue"
 
 
 @pytest.mark.parametrize("policy", ["continue", "interrupt"])

@@ -153,9 +153,11 @@ def test_1_distributed_update_gets_past_the_session_check_to_nccl(standin):
     assert not standin.state.session and standin.state.paused is None
 
 
-def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp_path):
+@pytest.mark.parametrize("policy", ["drain", "continue"])
+def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp_path, policy):
     """The disk transport: learner-side files (DiskBucketWriter), the actor hands the directory to
-    /update_weights_from_disk, which the server reads itself."""
+    /update_weights_from_disk, which the server reads itself; with continue, paused in place and
+    without a flush (test_12)."""
     from actors.generation import GenerationActor
     from learners.weight_sync import DiskBucketWriter
 
@@ -163,7 +165,8 @@ def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp
     for b in halves(perturbed(model_dir)):
         w.add(b)
     path = w.commit()
-    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.url={standin.url}", "weight_sync.transport=disk"])
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.url={standin.url}", "weight_sync.transport=disk",
+                             f"rollout.on_weight_update={policy}"])
 
     async def main():
         from actors.engines import make_engine
@@ -172,15 +175,20 @@ def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp
         actor = GenerationActor(cfg, "gen0", None, model_dir, engine=eng)
         await actor.start()
         try:
+            mark = len(standin.state.control)
             await actor.update_weights(path, 5)
+            calls = dict(standin.state.control[mark:])
             res = await eng.generate(req("k-0#", 6))
             await eng.update_weights_from_disk(str(Path(model_dir)), 6)  # the original weights again
-            return res, eng.weight_update_mode
+            return res, eng.weight_update_mode, calls
         finally:
             await eng.shutdown()
 
-    res, mode = asyncio.run(main())
+    res, mode, calls = asyncio.run(main())
     assert mode == "disk" and set(res.versions.tolist()) == {5} and standin.state.weight_version == "6"
+    in_flight = policy == "continue"
+    assert calls["/pause_generation"] == {"mode": "in_place" if in_flight else "retract"}
+    assert calls["/update_weights_from_disk"]["flush_cache"] is not in_flight
 
 
 # ---------------------------------------------------------------------- 2 + 7. flush and the update gate
@@ -201,16 +209,19 @@ def test_2_7_update_while_another_client_decodes_flushes_and_tags_each_token(sta
             while standin.engine.stats().generated_tokens < t0 + 20:
                 await asyncio.sleep(0.005)
             flush_status, _ = await raw_post(standin.url, "/flush_cache", {})
+            reprefill = standin.engine.stats().reprefill_tokens
             await updater.update_weights(halves(perturbed(model_dir)), version=11)
+            reprefill = standin.engine.stats().reprefill_tokens - reprefill
             res = await task
             await updater.update_weights(halves(original(model_dir)), version=12)
-            return flush_status, res, v0
+            return flush_status, res, v0, reprefill
         finally:
             await other.shutdown()
             await updater.shutdown()
 
-    flush_status, res, v0 = asyncio.run(main())
+    flush_status, res, v0, reprefill = asyncio.run(main())
     assert flush_status == 400  # refused while a request runs
+    assert reprefill > 20  # retracted: its prompt and tokens so far were prefilled again under the new weights
     v = res.versions.tolist()
     assert res.finish_reason == "length" and len(v) == 400
     assert v[0] == v0 != 11 and v[-1] == 11 and v == sorted(v)  # each token tagged by the weights that produced it
@@ -472,3 +483,89 @@ def test_11_generation_stops_on_the_models_whole_eos_set(model_dir, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({**gen_cfg, "eos_token_id": [2, 7]}))  # as Qwen3 lists two
     actor = GenerationActor(load_config(None, ["rollout.engine=simulated"]), "gen0", None, str(d))
     assert set(actor.stop_token_ids) == {2, 7}
+
+
+# ---------------------------------------------------------------------- 12. in-flight updates (issue 16)
+def test_12_continue_pauses_in_place_keeps_the_kv_cache_and_tags_tokens_at_the_load(standin, model_dir):
+    """rollout.on_weight_update=continue over HTTP: the client pauses in place, loads every bucket with
+    flush_cache=false and continues. The request decoding across the load is not aborted, the server
+    re-prefills nothing, its versions switch once, at the load, and every logprob is the forward over the
+    mixed cache (KV of the old weights before the load, the new weights' after)."""
+    from tests.test_torch_engine import mixed_cache_logprobs, teacher_forced
+
+    w = {}
+
+    async def main():
+        other, updater = client(standin.url), client(standin.url)
+        await other.start()  # waits for /health: the server has loaded its model (not while we load ours)
+        await updater.start()
+        w.update({0: original(model_dir), 1: perturbed(model_dir)})
+        # Tied embeddings: one tensor under two names, so both must hold the same values, or which one
+        # lands last (bucket order here, dict order in the replay) would decide the weights.
+        w[1]["lm_head.weight"] = w[1]["model.embed_tokens.weight"]
+        try:
+            await updater.update_weights(halves(w[0]), version=20)
+            task = asyncio.create_task(other.generate(req("c-0#", 150, seed=8)))
+            t0 = standin.engine.stats().generated_tokens
+            while standin.engine.stats().generated_tokens < t0 + 20:
+                await asyncio.sleep(0.005)
+            mark, reprefill = len(standin.state.control), standin.engine.stats().reprefill_tokens
+            await updater.update_weights_in_flight(halves(w[1]), version=21)
+            calls = standin.state.control[mark:]
+            res = await task
+            reprefill = standin.engine.stats().reprefill_tokens - reprefill
+            await updater.update_weights(halves(w[0]), version=22)
+            return res, calls, reprefill
+        finally:
+            await other.shutdown()
+            await updater.shutdown()
+
+    res, calls, reprefill = asyncio.run(main())
+    assert [p for p, _ in calls] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+                                     "/update_weights_from_tensor", "/end_weight_update", "/continue_generation"]
+    assert calls[0][1] == {"mode": "in_place"}
+    loads = [body for p, body in calls if p == "/update_weights_from_tensor"]
+    assert [b["flush_cache"] for b in loads] == [False, False] and [b["weight_version"] for b in loads] == [None, "21"]
+    v = res.versions
+    k = int((v == 20).sum())
+    assert res.finish_reason == "length" and len(v) == 150 and 0 < k < 150
+    assert np.all(v[:k] == 20) and np.all(v[k:] == 21)
+    assert reprefill == 0
+    # 2e-4: float32 drift over 150 single-row decode steps; a cache rebuilt under the new weights (what
+    # retract would give) is further off than that, which the last line shows.
+    np.testing.assert_allclose(res.logprobs, mixed_cache_logprobs(model_dir, w, PROMPT, res.output_ids, k), atol=2e-4)
+    rebuilt = teacher_forced(model_dir, w[1], PROMPT, res.output_ids)
+    assert np.abs(res.logprobs[k:] - rebuilt[k:]).max() > 1e-2
+
+
+def test_12_a_flush_while_paused_in_place_with_a_request_running_is_refused(standin, model_dir):
+    """What continue must avoid: 0.5.23 loads the weights, then refuses the flush while a request runs in
+    place and fails the call (weight_updater.py flush_cache_after_weight_update; scheduler.py flush_cache).
+    The stand-in refuses it too, so a client that flushed in continue mode fails here."""
+    from actors.engines.sglang_engine import serialize_named_tensors
+
+    from tests.sglang_standin import FLUSH_REFUSED_MSG
+
+    async def main():
+        other = client(standin.url)
+        await other.start()
+        try:
+            task = asyncio.create_task(other.generate(req("f-0#", 200, seed=2)))
+            t0 = standin.engine.stats().generated_tokens
+            while standin.engine.stats().generated_tokens < t0 + 10:
+                await asyncio.sleep(0.005)
+            steps = [await raw_post(standin.url, "/pause_generation", {"mode": "in_place"}),
+                     await raw_post(standin.url, "/begin_weight_update", {})]
+            entry = serialize_named_tensors(original(model_dir))
+            refused = await raw_post(standin.url, "/update_weights_from_tensor", {
+                "serialized_named_tensors": [entry], "flush_cache": True, "weight_version": "30"})
+            steps += [await raw_post(standin.url, "/end_weight_update", {}),
+                      await raw_post(standin.url, "/continue_generation", {})]
+            return steps, refused, await task
+        finally:
+            await other.shutdown()
+
+    steps, (status, text), res = asyncio.run(main())
+    assert [s for s, _ in steps] == [200, 200, 200, 200]
+    assert status == 400 and FLUSH_REFUSED_MSG in text
+    assert res.finish_reason == "length" and len(res.output_ids) == 200  # the running request went on

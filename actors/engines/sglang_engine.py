@@ -13,6 +13,13 @@ per-route conformance table and the test that shows each row.
   POST /pause_generation {mode: retract} / /continue_generation: the gate around a weight update, so no
                                         request decodes between buckets (managers/scheduler.py pause_generation;
                                         retract also lets the post-update flush run, scheduler.py flush_cache)
+  POST /pause_generation {mode: in_place}: rollout.on_weight_update=continue. Running requests stay in the
+                                        running batch with their KV cache (scheduler.py pause_generation), every
+                                        bucket goes with flush_cache=false (a flush is refused while they run:
+                                        weight_updater.py flush_cache_after_weight_update), and after
+                                        /continue_generation they decode on with the new weights; the version
+                                        change is recorded on each live request (scheduler.py
+                                        record_weight_version_change), so its reply's spans split at the load
   POST /begin_weight_update, /end_weight_update: the session tensor and distributed updates must run in
                                         (managers/scheduler_components/weight_updater.py); a server without
                                         these routes (older 0.5, 404) is updated without a session
@@ -332,10 +339,11 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ weights
     @asynccontextmanager
-    async def _update_gate(self, session: bool):
-        """Pause (retract) so no request decodes between buckets and the final flush is allowed; open a
-        weight-update session for tensor/distributed loads; always close it and continue afterwards."""
-        await self._post_ok("/pause_generation", {"mode": "retract"})
+    async def _update_gate(self, session: bool, in_flight: bool = False):
+        """Pause so no request decodes between buckets; open a weight-update session for tensor/distributed
+        loads; always close it and continue afterwards. `retract` (after an abort or drain) lets the final
+        flush run; `in_place` (in_flight) keeps the running requests and their KV cache for after the load."""
+        await self._post_ok("/pause_generation", {"mode": "in_place" if in_flight else "retract"})
         opened = False
         try:
             if session:
@@ -361,30 +369,41 @@ class SGLangEngine:
         return True
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Push named full tensors through /update_weights_from_tensor (the default mode)."""
+        """Push named full tensors through /update_weights_from_tensor (the default mode). Requests still
+        running are aborted first, and the cache the old weights built is flushed after the last bucket."""
+        await self._update_from_tensor(buckets, version, in_flight=False)
+
+    async def update_weights_in_flight(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """rollout.on_weight_update=continue: pause in place, load without a flush, continue; running
+        requests keep their KV cache and their later tokens come from the new weights."""
+        await self._update_from_tensor(buckets, version, in_flight=True)
+
+    async def _update_from_tensor(self, buckets: Iterable[WeightBucket], version: int, in_flight: bool) -> None:
         if self.weight_update_mode == "disk":
             raise SGLangError("weight_update_mode=disk: call update_weights_from_disk(model_path, version)")
         if self.weight_update_mode == "distributed":
             raise SGLangError("weight_update_mode=distributed: call update_weights_from_distributed(...) per bucket")
-        if self._inflight:
+        if self._inflight and not in_flight:
             await self.abort_all()
         buckets = list(buckets)
-        async with self._update_gate(session=True):
+        async with self._update_gate(session=True, in_flight=in_flight):
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 entry = serialize_named_tensors(bucket)
                 await self._post_ok("/update_weights_from_tensor", {
                     "serialized_named_tensors": [entry] * self.tp_size,  # each TP rank reads its own entry
-                    "load_format": None, "flush_cache": last,
+                    "load_format": None, "flush_cache": last and not in_flight,
                     "weight_version": str(version) if last else None,
                 })
         self._version = version
 
-    async def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        if self._inflight:
+    async def update_weights_from_disk(self, model_path: str, version: int, in_flight: bool = False) -> None:
+        """The server reads the safetensors files itself; `in_flight` as in `update_weights_in_flight`."""
+        if self._inflight and not in_flight:
             await self.abort_all()
-        async with self._update_gate(session=False):  # disk loads need no session (weight_updater.py)
-            await self._post_ok("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)})
+        async with self._update_gate(session=False, in_flight=in_flight):  # disk loads need no session (weight_updater.py)
+            await self._post_ok("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version),
+                                                              "flush_cache": not in_flight})
         self._version = version
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -396,17 +415,19 @@ class SGLangEngine:
             "world_size": world_size, "group_name": self.group_name, "backend": backend,
         })
 
-    async def update_weights_from_distributed(self, plan: list[tuple[list[str], list[str], list[list[int]]]], version: int) -> None:
+    async def update_weights_from_distributed(self, plan: list[tuple[list[str], list[str], list[list[int]]]], version: int,
+                                              in_flight: bool = False) -> None:
         """Step 2: inside one gated session, announce each bucket (names, dtypes, shapes) while the
-        learner broadcasts it over the group; the last bucket carries `version` and the flush."""
-        if self._inflight:
+        learner broadcasts it over the group; the last bucket carries `version` (and the flush, unless
+        `in_flight` as in `update_weights_in_flight`)."""
+        if self._inflight and not in_flight:
             await self.abort_all()
-        async with self._update_gate(session=True):
+        async with self._update_gate(session=True, in_flight=in_flight):
             for i, (names, dtypes, shapes) in enumerate(plan):
                 last = i == len(plan) - 1
                 await self._post_ok("/update_weights_from_distributed", {
                     "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
-                    "flush_cache": last, "weight_version": str(version) if last else None,
+                    "flush_cache": last and not in_flight, "weight_version": str(version) if last else None,
                 })
         self._version = version
 
