@@ -16,6 +16,7 @@ aborted tokens discarded.
     python benchmarks/rollout_throughput.py --engine simulated --steps 8
     python benchmarks/rollout_throughput.py --engine torch --steps 20
     python benchmarks/rollout_throughput.py --policies --engine both     # on_weight_update: interrupt / drain / continue
+    python benchmarks/rollout_throughput.py --policies --engine torch --learner-step-s 0.2   # generation-bound
 
 `--policies` runs the async preset once per `rollout.on_weight_update` policy
 (plus sync as the baseline) and adds the engine's utilisation while busy
@@ -187,8 +188,10 @@ def bench_torch(steps: int, tmp: Path) -> list[dict]:
 POLICIES = ("interrupt", "drain", "continue")
 
 
-def bench_policies(engine: str, steps: int, tmp: Path) -> list[dict]:
-    """Sync, then the async preset with each on_weight_update policy, on one workload per engine."""
+def bench_policies(engine: str, steps: int, tmp: Path, learner_step_s: float | None = None) -> list[dict]:
+    """Sync, then the async preset with each on_weight_update policy, on one workload per engine.
+    `learner_step_s` (torch engine): a simulated learner that sleeps that long per step and moves no
+    weights instead of the FSDP2 learner, so that generation, not training, sets the pace."""
     from learners.simulated import SimulatedLearner
 
     if engine == "simulated":
@@ -204,6 +207,9 @@ def bench_policies(engine: str, steps: int, tmp: Path) -> list[dict]:
         async_extra = []
         ceiling = steady_state_torch(mode_config("sync", tmp, over), seconds=15.0)
         factory, workload = None, "tiny-reverse"
+        if learner_step_s is not None:
+            factory = lambda cfg, model_path: FixedWeightsLearner(model_path, learner_step_s)  # noqa: E731
+            workload = f"tiny/sim{learner_step_s:g}s"
     out = []
     for mode, policy in [("sync", "drain"), *(("async", p) for p in POLICIES)]:
         cfg = mode_config(mode, tmp, over + (async_extra if mode == "async" else []) + [f"rollout.on_weight_update={policy}"])
@@ -214,6 +220,28 @@ def bench_policies(engine: str, steps: int, tmp: Path) -> list[dict]:
         out.append({"engine": engine, "workload": workload, "mode": mode if mode == "sync" else f"async/{policy}",
                     "on_weight_update": policy, **s, "steady_state_tokens_per_s": ceiling})
     return out
+
+
+class FixedWeightsLearner:
+    """A stand-in learner for a generation-bound run: sleeps `step_s` per step and sends the model's own,
+    unchanged weights as one bucket, so the engine loads a full set at every update (as with the FSDP2
+    learner) while training costs no CPU."""
+
+    def __init__(self, model_path: str, step_s: float) -> None:
+        import ray
+        from transformers import AutoModelForCausalLM
+
+        from learners.simulated import SimulatedLearner
+
+        self._sim = SimulatedLearner(step_s=step_s, time_scale=1.0)
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        self._refs = [ray.put({k: v.detach().clone() for k, v in model.state_dict().items()})]
+
+    def __getattr__(self, name: str):
+        return getattr(self._sim, name)  # version, train_step, checkpoints: the simulated learner's
+
+    def weight_buckets(self, bucket_mb: float) -> list:
+        return self._refs
 
 
 def policy_table(results: list[dict]) -> str:
@@ -249,16 +277,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", choices=["simulated", "torch", "both"], default="both")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode (default: 8 simulated, 25 torch)")
     ap.add_argument("--policies", action="store_true", help="async preset per rollout.on_weight_update policy (and sync)")
+    ap.add_argument("--learner-step-s", type=float, default=None,
+                    help="with --policies --engine torch: a simulated learner taking this many seconds per step "
+                         "(no weights move) instead of the FSDP2 one, so that generation sets the pace")
     a = ap.parse_args(argv)
+    if a.learner_step_s is not None and not (a.policies and a.engine == "torch"):
+        ap.error("--learner-step-s goes with --policies --engine torch")
     results: list[dict] = []
     if a.policies:
         engines = ["simulated", "torch"] if a.engine == "both" else [a.engine]
         with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:
             for engine in engines:
-                results += bench_policies(engine, a.steps or (8 if engine == "simulated" else 25), Path(tmp))
+                results += bench_policies(engine, a.steps or (8 if engine == "simulated" else 25), Path(tmp), a.learner_step_s)
         add_ratios(results)
         print(policy_table(results))
         name = "in_flight_updates.json" if a.engine == "both" else f"in_flight_updates_{a.engine}.json"
+        if a.learner_step_s is not None:
+            name = f"in_flight_updates_torch_learner{a.learner_step_s:g}s.json"
         print(f"wrote {write_json(name, {'results': results})}")
         return
     with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:
