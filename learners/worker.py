@@ -27,7 +27,6 @@ import math
 import os
 import resource
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np

@@ -51,7 +51,7 @@ import torch
 from aiohttp import web
 
 from actors.engine import GenerateRequest, SamplingParams
-from actors.engines.sglang_engine import deserialize_named_tensors
+from actors.engines.sglang_wire import deserialize_named_tensors
 from actors.engines.torch_engine import TorchEngine
 from tests.sglang_api_types import GenerateRequest as ContractRequest
 from tests.sglang_api_types import JsonContractError

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from async_april.checkpointing import CheckpointManager
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=32", "rollout.concurrency=16"]

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,8 @@ pytest.importorskip("msgspec", reason="the stand-in checks requests with SGLang'
 import aiohttp
 
 from actors.engine import GenerateRequest, SamplingParams
-from actors.engines.sglang_engine import SGLangEngine, SGLangError, parse_generate_response
+from actors.engines.sglang_engine import SGLangEngine
+from actors.engines.sglang_wire import SGLangError, parse_generate_response
 from async_april.config import ConfigError, load_config
 from tests.sglang_standin import StandinServer, make_test_model_dir
 
@@ -89,7 +89,7 @@ def client(url: str, **kw) -> SGLangEngine:
 
 # ---------------------------------------------------------------------- 1. weight-update sessions
 def test_1_tensor_update_runs_in_a_session_and_outside_one_is_400(standin, model_dir):
-    from actors.engines.sglang_engine import serialize_named_tensors
+    from actors.engines.sglang_wire import serialize_named_tensors
 
     async def main():
         status, text = await raw_post(standin.url, "/update_weights_from_tensor",
@@ -233,7 +233,7 @@ def test_2_7_update_while_another_client_decodes_flushes_and_tags_each_token(sta
 def test_3_port_claim_skips_ports_held_by_others():
     import socket
 
-    from actors.engines.sglang_engine import claim_port
+    from actors.engines.sglang_process import claim_port
 
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 31120))
@@ -386,10 +386,10 @@ def test_6_every_reply_field_is_validated(reply, field):
 
 
 def test_6_non_json_reply_is_an_sglang_error():
-    from actors.engines.sglang_engine import _json_object
+    from actors.engines.sglang_wire import json_object
 
     with pytest.raises(SGLangError, match="not JSON"):
-        _json_object("<html>502 Bad Gateway</html>", "/generate")
+        json_object("<html>502 Bad Gateway</html>", "/generate")
 
 
 # ---------------------------------------------------------------------- 7. version spans
@@ -542,7 +542,7 @@ def test_12_a_flush_while_paused_in_place_with_a_request_running_is_refused(stan
     """What continue must avoid: 0.5.23 loads the weights, then refuses the flush while a request runs in
     place and fails the call (weight_updater.py flush_cache_after_weight_update; scheduler.py flush_cache).
     The stand-in refuses it too, so a client that flushed in continue mode fails here."""
-    from actors.engines.sglang_engine import serialize_named_tensors
+    from actors.engines.sglang_wire import serialize_named_tensors
 
     from tests.sglang_standin import FLUSH_REFUSED_MSG
 

@@ -1,7 +1,8 @@
 """Generation backends behind one `Engine` protocol; `make_engine` picks one from the config.
 
     torch      engines/torch_engine.py  continuous batching on a transformers causal LM (CPU/CUDA)
-    sglang     engines/sglang_engine.py HTTP client for SGLang 0.5.x (launched on loopback or at a URL)
+    sglang     engines/sglang_engine.py HTTP client for SGLang 0.5.x (launched on loopback or at a URL);
+               sglang_wire.py (replies, weight buckets), sglang_process.py (ports, processes)
     simulated  engines/simulated.py     latency model + response-length distribution, no weights
 
 Backends are imported lazily, so choosing `simulated` never imports torch models.

@@ -36,33 +36,23 @@ cover its tokens, or that reports a version change without spans, raises SGLangE
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import fcntl
-import io
 import itertools
-import math
+import json
 import os
-import pickle
-import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Iterable
 
 import aiohttp
-import numpy as np
 
 from actors.engine import EngineStats, GenerateRequest, GenerateResult, WeightBucket
-
-
-class SGLangError(RuntimeError):
-    """The SGLang server answered with an error or a malformed reply, or could not be reached within the retry limit."""
+from actors.engines.sglang_process import claim_port, listener_pid, process_tree
+from actors.engines.sglang_wire import SGLangError, json_object, parse_generate_response, serialize_named_tensors
 
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
@@ -224,7 +214,7 @@ class SGLangEngine:
                 text = await r.text()
                 if r.status != 200:
                     raise SGLangError(f"GET {path} -> HTTP {r.status}: {text[:500]}")
-                return _json_object(text, f"GET {path}")
+                return json_object(text, f"GET {path}")
         return None
 
     def _log_tail(self, n: int = 30) -> str:
@@ -260,7 +250,7 @@ class SGLangEngine:
         if status != 200:
             raise SGLangError(f"POST {path} -> HTTP {status}: {text[:500]}")
         try:
-            return _json_loads(text)
+            return json.loads(text)
         except ValueError:
             return text
 
@@ -319,7 +309,7 @@ class SGLangEngine:
             self._inflight.pop(rid, None)
         if status != 200:
             raise SGLangError(f"POST /generate -> HTTP {status}: {text[:500]}")
-        res = parse_generate_response(request.request_id, _json_object(text, "/generate"), version, self._version,
+        res = parse_generate_response(request.request_id, json_object(text, "/generate"), version, self._version,
                                       len(request.input_ids))
         self._stats.generated_tokens += len(res.output_ids)
         self._stats.prefill_tokens += len(request.input_ids)
@@ -363,7 +353,7 @@ class SGLangEngine:
         if status == 404:  # an older 0.5 server: updates run without a session there
             self._has_sessions = False
             return False
-        if status != 200 or _json_object(text, "/begin_weight_update").get("success") is False:
+        if status != 200 or json_object(text, "/begin_weight_update").get("success") is False:
             raise SGLangError(f"POST /begin_weight_update -> HTTP {status}: {text[:500]}")
         self._has_sessions = True
         return True
@@ -434,169 +424,3 @@ class SGLangEngine:
     def stats(self) -> EngineStats:
         s = self._stats
         return dataclasses.replace(s, extra=dict(s.extra))
-
-
-# ---------------------------------------------------------------------- replies
-
-
-def _json_loads(text: str) -> Any:
-    import json
-
-    return json.loads(text)
-
-
-def _json_object(text: str, what: str) -> dict:
-    try:
-        out = _json_loads(text)
-    except ValueError:
-        raise SGLangError(f"{what}: the reply is not JSON: {text[:200]!r}") from None
-    if not isinstance(out, dict):
-        raise SGLangError(f"{what}: the reply is a JSON {type(out).__name__}, not an object")
-    return out
-
-
-def _field(obj: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
-    value = obj.get(key)
-    if not isinstance(value, types):
-        raise SGLangError(f"{where}.{key} is {value!r}; expected {getattr(types, '__name__', types)}")
-    return value
-
-
-def parse_generate_response(request_id: str, out: dict, sent_version: int, current_version: int,
-                            prompt_tokens: int) -> GenerateResult:
-    """SGLang /generate JSON -> GenerateResult, every field checked (SGLangError naming it).
-
-    Each token is tagged with the version that produced it, from `meta_info.weight_versions`
-    (0.5.23: spans [start, end) over the output tokens). Without spans, every token must come
-    from `sent_version`: the reported `weight_version` must be it and no update ran since."""
-    where = f"/generate reply for {request_id}: meta_info"
-    meta = _field(out, "meta_info", dict, f"/generate reply for {request_id}")
-    ids = _field(out, "output_ids", list, f"/generate reply for {request_id}")
-    lps = _field(meta, "output_token_logprobs", list, where)
-    if len(lps) != len(ids):
-        raise SGLangError(f"{where}.output_token_logprobs has {len(lps)} entries for {len(ids)} output_ids; "
-                          "was the request sent with return_logprob=true?")
-    logprobs = np.empty(len(ids), np.float32)
-    for i, (entry, tok) in enumerate(zip(lps, ids)):
-        if not isinstance(tok, int) or isinstance(tok, bool):
-            raise SGLangError(f"/generate reply for {request_id}: output_ids[{i}] is {tok!r}; expected a token id")
-        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-            raise SGLangError(f"{where}.output_token_logprobs[{i}] is {entry!r}; expected [logprob, token_id, text]")
-        lp = entry[0]
-        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) or lp > 0:
-            raise SGLangError(f"{where}.output_token_logprobs[{i}][0] is {lp!r}; expected a finite logprob <= 0")
-        if entry[1] != tok:
-            raise SGLangError(f"{where}.output_token_logprobs[{i}] is for token {entry[1]!r} but output_ids[{i}] is {tok}")
-        logprobs[i] = lp
-    reason = meta.get("finish_reason")
-    if not isinstance(reason, dict) or reason.get("type") not in ("stop", "length", "abort"):
-        raise SGLangError(f"{where}.finish_reason is {reason!r}; expected {{type: stop|length|abort, ...}}")
-    versions = token_versions(meta, len(ids), sent_version, current_version, where)
-    return GenerateResult(
-        request_id=request_id,
-        output_ids=np.asarray(ids, np.int64),
-        logprobs=logprobs,
-        versions=versions,
-        finish_reason=reason["type"],
-        prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
-    )
-
-
-def token_versions(meta: dict, n: int, sent_version: int, current_version: int, where: str) -> np.ndarray:
-    """The policy version of each of `n` output tokens, from 0.5.23's weight_versions spans."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        reported = meta.get("weight_version")
-        if reported not in (None, str(sent_version)) or current_version != sent_version:
-            raise SGLangError(f"{where}: weights changed during the request (sent at version {sent_version}, reply "
-                              f"says {reported!r}, now {current_version}) but the reply has no weight_versions spans; "
-                              "cannot tell which tokens which weights produced")
-        return np.full(n, sent_version, np.int64)
-    out = np.empty(n, np.int64)
-    pos = 0
-    for k, span in enumerate(spans):
-        if not isinstance(span, dict):
-            raise SGLangError(f"{where}.weight_versions[{k}] is {span!r}; expected {{version, start, end}}")
-        try:
-            v, start, end = int(span["version"]), int(span["start"]), int(span["end"])
-        except (KeyError, TypeError, ValueError):
-            raise SGLangError(f"{where}.weight_versions[{k}] is {span!r}; expected integer version, start, end") from None
-        # Versions only move forward, from the one the request was sent under (a server shared with another
-        # client may be past this client's own version).
-        if start != pos or end < start or end > n or v < (out[start - 1] if start else sent_version):
-            raise SGLangError(f"{where}.weight_versions {spans!r} do not tile the {n} output tokens with versions "
-                              f"rising from {sent_version}")
-        out[start:end] = v
-        pos = end
-    if pos != n:
-        raise SGLangError(f"{where}.weight_versions {spans!r} cover {pos} of {n} output tokens")
-    return out
-
-
-# ---------------------------------------------------------------------- ports and processes
-
-
-def claim_port(low: int, high: int) -> tuple[int, Any]:
-    """A port in [low, high] no other actor on this node holds (an exclusive lock file kept open for
-    the server's life) and nothing listens on; returns (port, the open lock file)."""
-    lock_dir = Path(tempfile.gettempdir()) / "async_april_ports"
-    lock_dir.mkdir(exist_ok=True)
-    ports = list(range(low, high + 1))
-    start = random.randrange(len(ports))
-    for port in ports[start:] + ports[:start]:
-        f = open(lock_dir / f"{port}.lock", "w")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                f.close()
-                continue
-        return port, f
-    raise SGLangError(f"no free port in rollout.sglang.port_range [{low}, {high}]; widen it")
-
-
-def listener_pid(port: int) -> int | None:
-    """The process listening on 127.0.0.1:`port`, when the OS lets us see it."""
-    import psutil
-
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
-        return None
-    for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None:
-            return c.pid
-    return None
-
-
-def process_tree(pid: int) -> set[int]:
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        return {pid, *(c.pid for c in p.children(recursive=True))}
-    except psutil.NoSuchProcess:
-        return set()
-
-
-# ---------------------------------------------------------------------- tensors
-
-
-def serialize_named_tensors(bucket: WeightBucket) -> str:
-    """One bucket as SGLang's `serialized_named_tensors` entry: base64 of the pickled [(name, tensor)] list.
-
-    SGLang itself pickles with its MultiprocessingSerializer (shared-memory handles, same host only);
-    plain CPU tensors pickled by value work through the same unpickler and across hosts.
-    """
-    buf = io.BytesIO()
-    pickle.dump([(n, t.detach().cpu().contiguous()) for n, t in bucket.items()], buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def deserialize_named_tensors(data: str) -> list[tuple[str, Any]]:
-    return pickle.loads(base64.b64decode(data))

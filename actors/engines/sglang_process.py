@@ -1,0 +1,61 @@
+"""Ports and processes for SGLang servers launched by generation actors: a port per actor on a node
+(an exclusive lock file plus a bind check), and who listens on it."""
+
+from __future__ import annotations
+
+import fcntl
+import random
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from actors.engines.sglang_wire import SGLangError
+
+
+def claim_port(low: int, high: int) -> tuple[int, Any]:
+    """A port in [low, high] no other actor on this node holds (an exclusive lock file kept open for
+    the server's life) and nothing listens on; returns (port, the open lock file)."""
+    lock_dir = Path(tempfile.gettempdir()) / "async_april_ports"
+    lock_dir.mkdir(exist_ok=True)
+    ports = list(range(low, high + 1))
+    start = random.randrange(len(ports))
+    for port in ports[start:] + ports[:start]:
+        f = open(lock_dir / f"{port}.lock", "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                f.close()
+                continue
+        return port, f
+    raise SGLangError(f"no free port in rollout.sglang.port_range [{low}, {high}]; widen it")
+
+
+def listener_pid(port: int) -> int | None:
+    """The process listening on 127.0.0.1:`port`, when the OS lets us see it."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None:
+            return c.pid
+    return None
+
+
+def process_tree(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return {pid, *(c.pid for c in p.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return set()
