@@ -111,10 +111,10 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     try:
         if plan is not None:
             ray.get(store.pin_cpus.remote(plan.other_cores))
-            if hasattr(learner, "pin_cpus"):
-                learner.pin_cpus(plan.other_cores)
             pin_process(plan.other_cores)
-        pool.start(cfg.rollout.num_actors)
+        pool.start(cfg.rollout.num_actors)  # the engines load while the learner's ranks initialise
+        if plan is not None and hasattr(learner, "pin_cpus"):
+            learner.pin_cpus(plan.other_cores)  # waits for the learner to be ready
         if resume is not None:
             pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
         ray.get(store.call.remote("set_version", learner.version))
@@ -309,7 +309,10 @@ def init_ray(cfg: Config) -> bool:
            "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
+        from async_april.rundir import in_ray_job
+
         ray.init(address=address, runtime_env={"env_vars": {k: v for k, v in env.items() if k != "PYTHONPATH"}})
+        say(f"ray: joined the cluster at {address}" + (" as a `ray job submit` driver" if in_ray_job() else ""))
         return False
     needed = cfg.rollout.num_actors + cfg.learner.world_size + 1
     ray.init(address="local", num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False,

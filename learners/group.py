@@ -1,6 +1,6 @@
 """Driver side of the learner: one Ray actor per FSDP2 rank, in one placement group.
 
-    LearnerGroup(cfg, model_path)
+    LearnerGroup(cfg, model_path)   returns once the ranks are spawned; they initialise in the background
       placement group: world_size bundles ({"CPU": 1} or {"GPU": 1, "CPU": 1}), PACK
       a task on bundle 0 picks (node ip, free port) -> every rank's MASTER_ADDR/PORT
       LearnerWorker actor per rank (num_cpus=1, OMP_NUM_THREADS=1)
@@ -65,16 +65,25 @@ class LearnerGroup:
             ).remote(cfg, str(model_path), r, self.world_size, addr, port)
             for r in range(self.world_size)
         ]  # fmt: skip
-        self._version = ray.get(self.workers[0].get_version.remote())  # waits for every rank's init via rendezvous
-        ray.get([w.get_version.remote() for w in self.workers])
+        # The ranks initialise in the background (imports, process group, model load: ~10 s on 2 CPU cores),
+        # so the caller can start the engines meanwhile; the first call that needs them waits.
+        self._ready = [w.get_version.remote() for w in self.workers]
+        self._version: int | None = None
         self._specs: list[TensorSpec] | None = None
         self.last_export_bytes = 0
 
+    def wait_ready(self) -> None:
+        """Block until every rank has initialised; raises the first rank's init error."""
+        if self._version is None:
+            self._version = int(ray.get(self._ready)[0])
+
     def _all(self, method: str, *args: Any) -> list[Any]:
+        self.wait_ready()
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
     @property
     def version(self) -> int:
+        self.wait_ready()
         return self._version
 
     def pin_cpus(self, cores: tuple[int, ...]) -> None:

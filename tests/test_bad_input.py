@@ -103,8 +103,6 @@ CASES = [
     ("override-without-equals", lambda t: ["CFG", "rollout.n_samples"], r"override 'rollout\.n_samples' is not of the form section\.key=value"),
     ("override-bad-yaml", lambda t: ["CFG", "run.name=[a"], r"override 'run\.name=\[a': the value is not valid YAML"),
     ("overwrite-and-resume", lambda t: ["CFG", "run.overwrite=true", "run.resume=auto"], r"set only one of them"),
-    ("continue-with-sglang", lambda t: ["CFG", "rollout.engine=sglang", "rollout.on_weight_update=continue"],
-     r"rollout\.on_weight_update=continue is not supported with rollout\.engine=sglang yet"),
     ("reward-timeout-without-workers", lambda t: ["CFG", "reward.timeout_s=5"], r"reward\.timeout_s needs reward\.num_workers >= 1"),
     ("sglang-moved-key", lambda t: ["CFG", "rollout.retries=3"], r"rollout\.retries has moved: set rollout\.sglang\.retries instead"),
     ("sglang-original-logprob", lambda t: ["CFG", "ENV:SGLANG_RETURN_ORIGINAL_LOGPROB=1", "rollout.engine=sglang", "rollout.temperature=0.7"],

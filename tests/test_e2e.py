@@ -203,13 +203,12 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
                 time.sleep(3)
             return done.returncode, out
 
-        # The default run.dir is relative: under a job it would land in Ray's temporary working_dir copy.
-        rc, out = submit()
-        assert rc != 0 and "error: run.dir='runs/${name}' is relative, and under `ray job submit`" in out, out[-5000:]
-        assert "Traceback" not in out
         rc, out = submit(f"run.dir={tmp_path}/jobrun")
         assert rc == 0 and "succeeded" in out, out[-5000:]
         assert "[2/2] reward" in out and f"run dir {tmp_path}/jobrun (new)" in out
+        # Ray sets the variable a relative run.dir is refused by (async_april/rundir.py; the refusal itself:
+        # tests/test_bad_input.py, "run-dir-relative-under-ray-job"), so that check sees real jobs.
+        assert "as a `ray job submit` driver" in out
         assert len(metrics(tmp_path / "jobrun")) == 2
     finally:
         _stop_our_cluster(head, temp_dir)

@@ -81,19 +81,15 @@ def test_short_build_is_deterministic_and_cached(tmp_path, capsys):
     assert ensure_tiny_model(str(tmp_path / "a"), seed=1, **quick) != a  # the seed is in the hash
 
 
-@pytest.mark.slow
-def test_full_build_is_deterministic_and_leaves_room_for_rl(tmp_path):
+def test_full_build_leaves_room_for_rl(tmp_path):
+    """The default build (the one every run and most tests use, in the default cache: built there by
+    whichever test needed it first, or now) is warm enough to learn from and far from solved.
+    Determinism is checked on a short build above: the same code path, without ~50 s per build."""
     from transformers import AutoModelForCausalLM
 
-    # One fresh build, compared with the one in the default cache that the rest of the suite uses
-    # (built there by whichever test needed it first, or now): two builds cost ~50 s each on 2 cores.
-    shared = ensure_tiny_model(DEFAULT_CACHE_DIR, seed=0)
-    fresh = ensure_tiny_model(str(tmp_path / "fresh"), seed=0)
-    assert fresh.name == shared.name
-    ws, wf = _weights(shared), _weights(fresh)
-    assert ws.keys() == wf.keys() and all(torch.equal(ws[k], wf[k]) for k in ws)
-    info = json.loads((fresh / "build_info.json").read_text())
+    path = ensure_tiny_model(DEFAULT_CACHE_DIR, seed=0)
+    info = json.loads((path / "build_info.json").read_text())
     assert 0.25 <= info["eval_sampled_reward"] <= 0.7
     assert info["eval_greedy_reward"] >= info["eval_sampled_reward"] - 0.05
-    assert resolve_model_path("builtin:tiny-reverse", str(tmp_path / "fresh")) == fresh
-    AutoModelForCausalLM.from_pretrained(fresh)
+    assert resolve_model_path("builtin:tiny-reverse", DEFAULT_CACHE_DIR) == path
+    AutoModelForCausalLM.from_pretrained(path)
