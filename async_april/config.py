@@ -209,7 +209,7 @@ class RolloutConfig(Section):
     simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
     """Simulated engine: real seconds per simulated second (0.01 runs 100x faster than the modelled GPU)."""
     env: str | None = None
-    """Multi-turn rollouts: the environment class, `module:Class` (runs that code) or a built-in (`builtin:reverse_turns`, `builtin:simulated_tool`); None: single-turn. With an environment the response interleaves model turns and environment observations (loss mask 0), and the sample's reward is the sum of the environment's step rewards (`reward.functions` are not used). See docs/agents.md."""
+    """Multi-turn rollouts: the environment class, `module:Class` (runs that code) or a built-in (`builtin:reverse_turns`, `builtin:simulated_tool`, `builtin:calculator`); None: single-turn. With an environment the response interleaves model turns and environment observations (loss mask 0), and the sample's reward is the sum of the environment's step rewards (`reward.functions` are not used). See docs/agents.md."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """Turn, token, timeout and concurrency limits of multi-turn rollouts (used only with `env`)."""
 

@@ -363,3 +363,75 @@ def test_a_timed_out_tool_does_not_block_other_rollouts(model_dir, tokenizer):
     assert max(finished[i] for i in range(1, 6)) < 1.0 <= finished[0], finished
     m = actor.agent.metrics()
     assert m["agent/step_timeouts"] == 1 and m["agent/steps"] == sum(s.turns for s in samples)
+
+
+# --------------------------------------------------------- chat templates and the calculator example
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer():
+    """A character-level tokenizer with ChatML specials and template (a real chat model's shape, built offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = {" ": "\u0120", "\n": "\u010a"}  # byte-level BPE spells these two bytes as letters
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + [byte_level.get(c, c) for c in chars])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def test_chat_turn_markers_are_appended_as_ids_without_retokenising():
+    from actors.agents.chat import ChatTurns
+
+    tok = chatml_tokenizer()
+    turns = ChatTurns(tok)
+    obs = turns.observation('{"result": 84}', role="tool")
+    assert tok.decode(obs.tolist()) == '\n<|im_start|>tool\n{"result": 84}<|im_end|>\n<|im_start|>assistant\n'
+    # Prompt ids + sampled ids + observation ids = the template's rendering of the whole conversation.
+    prompt = np.asarray(tok.apply_chat_template([{"role": "user", "content": "12*7?"}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"])
+    sampled = np.asarray(tok("<tool_call>x</tool_call>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+    whole = tok.apply_chat_template([{"role": "user", "content": "12*7?"}, {"role": "assistant", "content": "<tool_call>x</tool_call>"},
+                                     {"role": "tool", "content": '{"result": 84}'}], add_generation_prompt=True, tokenize=False)
+    assert np.concatenate([prompt, sampled, obs]).tolist() == tok(whole, add_special_tokens=False)["input_ids"]
+    plain = build_plain_tokenizer()
+    with pytest.raises(ValueError, match="chat template"):
+        ChatTurns(plain)
+
+
+def build_plain_tokenizer():
+    from async_april.models.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+def test_calculator_env_answers_tool_calls_and_scores_the_final_answer():
+    from actors.agents.calculator import CalculatorEnv, evaluate
+
+    tok = chatml_tokenizer()
+    env = make_env("builtin:calculator", tok, {"max_calls": 2})
+    assert isinstance(env, CalculatorEnv)
+    ids = lambda text: np.asarray(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])  # noqa: E731
+    state = env.reset(EnvRow("12*(3+4)?", np.zeros(1), "84", {}, 0)).state
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}\n</tool_call>'
+    s1 = env.step(state, ids(call))
+    assert not s1.done and s1.reward == 0 and '{"result": 84}' in tok.decode(s1.observation_ids.tolist())
+    s2 = env.step(s1.state, ids("The answer is \\boxed{84}."))
+    assert s2.done and s2.reward == 1.0
+    assert env.step(s1.state, ids("It is 85.")).reward == 0.0
+    with pytest.raises(ValueError):
+        evaluate("__import__('os').system('true')")
+    with pytest.raises(ValueError, match="exponent"):
+        evaluate("10 ** 10 ** 10")
+    bad = env.on_failure(s1.state, ids("<tool_call>{nope</tool_call>"), "JSONDecodeError: ...")
+    assert not bad.done and '"error"' in tok.decode(bad.observation_ids.tolist())
+    assert env.on_failure(bad.state, ids("x"), "again").done  # out of calls

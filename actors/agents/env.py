@@ -36,6 +36,7 @@ from async_april.errors import UserError
 REGISTRY: dict[str, str] = {
     "builtin:reverse_turns": "async_april.tasks.reverse_turns:ReverseTurnsEnv",
     "builtin:simulated_tool": "actors.agents.simulated:SimulatedToolEnv",
+    "builtin:calculator": "actors.agents.calculator:CalculatorEnv",
 }
 """Built-in environments and the class each stands for (imported lazily)."""
 
