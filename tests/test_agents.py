@@ -435,3 +435,97 @@ def test_calculator_env_answers_tool_calls_and_scores_the_final_answer():
     bad = env.on_failure(s1.state, ids("<tool_call>{nope</tool_call>"), "JSONDecodeError: ...")
     assert not bad.done and '"error"' in tok.decode(bad.observation_ids.tolist())
     assert env.on_failure(bad.state, ids("x"), "again").done  # out of calls
+
+
+# ---------------------------------------------------------------- simulated engine and tools
+
+
+def _turn_lengths(s: Sample) -> list[int]:
+    """Lengths of the model's turns (runs of loss mask 1)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], s.model_mask.astype(int), [0]])))
+    return [int(b - a) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def test_simulated_tool_episode_resumes_to_the_same_turns(model_dir, tokenizer):
+    """On the simulated engine each turn draws its length from its own seed and its context, so a turn cut
+    in the middle resumes to the length it had drawn (later turns see other sampled ids, as on a real
+    engine, and draw again); the tool's observations and rewards depend on the episode's state only."""
+    from actors.engines.simulated import SimulatedEngine
+
+    scale = 0.02
+    cfg = make_cfg(model_dir, "builtin:simulated_tool", "rollout.engine=simulated", "rollout.max_new_tokens=20000",
+                   "rollout.agent.max_turn_tokens=4096", "rollout.agent.max_observation_tokens=64",
+                   f"rollout.agent.env_args={{time_scale: {scale}, median_s: 0.5, sigma: 0.5, min_turns: 3, max_turns: 3, obs_tokens: 8}}")
+    row = turn_rows(tokenizer, 1)[0]
+
+    async def go():
+        from actors.generation import GenerationActor
+
+        actor = GenerationActor(cfg, "gen0", None, model_dir, engine=SimulatedEngine("lognormal", time_scale=scale))
+        await actor.start()
+        try:
+            ref = fresh_sample(row)
+            t0 = time.monotonic()
+            await actor.agent.run(ref, env_row(actor, ref))
+            ref_s = time.monotonic() - t0
+            got = fresh_sample(row)
+            task = asyncio.create_task(actor.agent.run(got, env_row(actor, got)))
+            while not (got.turns == 1 and not got.env_pending):  # into the second turn
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.01)
+            actor.aborting.add(got.uid)
+            await actor.engine.abort_all()
+            await task
+            actor.aborting.discard(got.uid)
+            cut = got.num_tokens - got.turn_start
+            await actor.agent.run(got, env_row(actor, got))
+            return ref, got, cut, ref_s, actor.agent.env.sim_tool_s
+        finally:
+            await actor.engine.shutdown()
+
+    ref, got, cut, ref_s, sim_tool_s = asyncio.run(go())
+    assert cut > 0, "the abort did not land inside the second turn"
+    assert ref.done and got.done and ref.turns == got.turns == 3
+    assert _turn_lengths(got)[:2] == _turn_lengths(ref)[:2] and len(_turn_lengths(got)) == 3
+    np.testing.assert_array_equal(got.response_ids[~got.model_mask], ref.response_ids[~ref.model_mask])
+    assert got.env_reward == ref.env_reward
+    assert ref_s >= 0.9 * scale * sim_tool_s / 2  # the episodes' tool time (two runs' worth in sim_tool_s) was slept
+
+
+# ------------------------------------------------------------- checkpoints and a whole run
+
+
+def test_a_multi_turn_partial_survives_a_checkpoint(tmp_path, no_pickle):
+    """The episode's state, its pending step and its mask go through the pickle-free state files."""
+    from async_april import state_codec
+
+    s = Sample(prompt_index=3, sample_index=1, prompt_ids=np.array([1, 4, 5]), answer="12,345")
+    s.extend(np.array([5, 4, 2]), np.array([-0.1, -0.2, -0.3]), np.array([0, 0, 1]), "stop")
+    s.observe(np.array([6, 7, 8, 14]))
+    s.extend(np.array([9]), np.array([-0.5]), np.array([2]), "abort")
+    s.env_state, s.env_pending, s.turns, s.env_reward = {"chunks": ["12", "345"], "turn": 1}, True, 1, 0.5
+    state_codec.save({"partials": {s.uid: s}}, tmp_path, "store")
+    back = state_codec.load(tmp_path, "store")["partials"][s.uid]
+    for name in ("response_ids", "behavior_logprobs", "versions", "loss_mask"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(s, name))
+    assert (back.env_state, back.env_pending, back.turns, back.env_reward) == (s.env_state, True, 1, 0.5)
+    assert back.turn_start == 7 and back.model_versions.tolist() == [0, 0, 1, 2]
+
+
+def test_a_multi_turn_run_trains_through_ray(tmp_path, model_dir, ray_cluster):
+    """configs/tiny_cpu_multiturn.yaml end to end for 2 steps (store, actor, learner, metrics)."""
+    import json
+
+    from async_april.train import train
+
+    cfg = load_config("configs/tiny_cpu_multiturn.yaml", [
+        f"run.dir={tmp_path}/run", "run.steps=2", f"model.path={model_dir}", "run.pin_cpus=false",
+        "rollout.batch_groups=2", "rollout.n_samples=4", "rollout.concurrency=8", "logging.console_every=1000"])
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/turns_mean"] >= 1 and r["rollout/env_tokens"] > 0
+        assert 0 <= r["reward/env"] <= 1 and r["rollout/reward_mean"] == pytest.approx(r["reward/env"])
+        assert r["train/response_tokens"] == r["rollout/tokens"]  # the learner counted model tokens only
+    assert rows[-1]["agent/steps"] > 0
