@@ -13,6 +13,10 @@ old weights, then load) or continues (the engine loads between two decode
 steps and the requests in flight keep their KV cache), per
 `rollout.on_weight_update`.
 
+With `rollout.env` set, each leased sample runs as a multi-turn episode
+(`actors/agents/runner.py`: model turns and environment steps, off this loop)
+in place of one generate; aborts reach samples waiting on a step too.
+
 A plain class; `train.py` wraps it with `ray.remote`. Its methods are async
 and interleave on one event loop, so no locks are needed.
 """
