@@ -16,6 +16,8 @@ in the environment object: a response interrupted between turns can resume on
 another actor or after a checkpoint, and a step interrupted while it ran is
 simply run again on resume. So `step` must be a function of (state, turn ids):
 the same inputs give the same observation, reward and state.
+One instance serves all of an actor's episodes, and its steps run in several
+threads at once: keep no per-episode data on it, and guard anything shared.
 
 Steps run in threads off the generation loop (actors/agents/runner.py), with a
 timeout; a step that raises, times out or returns an observation over the
