@@ -55,3 +55,22 @@ class HangingToolEnv(ReverseTurnsEnv):
 
 class NotAnEnv:
     pass
+
+
+class ChattyEnv(ReverseTurnsEnv):
+    """Observations longer than any sensible limit after the first turn; a step raises on the third turn;
+    on_failure records what it was told and ends nothing (the limits must)."""
+
+    errors: list[str] = []
+
+    def step(self, state, turn_ids):
+        if state["turn"] == 2:
+            raise RuntimeError("tool crashed")
+        out = super().step(state, turn_ids)
+        if state["turn"] == 1:
+            out.observation_ids = np.concatenate([out.observation_ids] * 10)
+        return out
+
+    def on_failure(self, state, turn_ids, error):
+        type(self).errors.append(error)
+        return Step(np.array([5, 6, 14]), 0.0, False, dict(state, turn=state["turn"] + 1))

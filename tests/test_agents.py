@@ -529,3 +529,42 @@ def test_a_multi_turn_run_trains_through_ray(tmp_path, model_dir, ray_cluster):
         assert 0 <= r["reward/env"] <= 1 and r["rollout/reward_mean"] == pytest.approx(r["reward/env"])
         assert r["train/response_tokens"] == r["rollout/tokens"]  # the learner counted model tokens only
     assert rows[-1]["agent/steps"] > 0
+
+
+# ------------------------------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize("limit", ["turns", "tokens"])
+def test_turn_observation_and_token_limits(model_dir, tokenizer, limit):
+    """An observation over max_observation_tokens and a step that raises both go to on_failure (counted);
+    max_turns ends the episode with reason length; so does rollout.max_new_tokens, model and
+    environment tokens together, never exceeded."""
+    from tests.agent_envs import ChattyEnv
+
+    ChattyEnv.errors.clear()
+    extra = (["rollout.agent.max_turns=3", "rollout.max_new_tokens=200"] if limit == "turns"
+             else ["rollout.agent.max_turns=50", "rollout.max_new_tokens=22"])
+    cfg = make_cfg(model_dir, "tests.agent_envs:ChattyEnv", "rollout.agent.max_observation_tokens=12",
+                   "rollout.agent.max_turn_tokens=6", *extra)
+    actor = make_actor(cfg, model_dir)
+    row = next(r for r in turn_rows(tokenizer, 32, seed=4) if len(r.answer.split(",")) == 4)
+
+    async def go():
+        await actor.start()
+        try:
+            s = fresh_sample(row)
+            await actor.agent.run(s, env_row(actor, s))
+            return s
+        finally:
+            await actor.engine.shutdown()
+
+    s = asyncio.run(go())
+    assert s.finish_reason == "length" and s.num_tokens <= cfg.rollout.max_new_tokens
+    runs = np.split(s.model_mask, np.flatnonzero(np.diff(s.model_mask.astype(int))) + 1)
+    assert all(len(r) <= 12 for r in runs if not r[0]), "an observation over the limit was appended"
+    assert any("max_observation_tokens" in e for e in ChattyEnv.errors)
+    if limit == "turns":
+        assert s.turns == 3 and any("RuntimeError: tool crashed" in e for e in ChattyEnv.errors)
+        assert actor.agent.metrics()["agent/step_failures"] == 2
+    else:
+        assert s.turns < 4  # max_turns=50 and four chunks: only the token budget can have ended it
