@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.agents.env import EnvRow, EnvSpecError, Step, load_env_class, make_env
+from actors.agents.env import EnvRow, EnvSpecError, load_env_class, make_env
 from async_april.config import ConfigError, load_config
 from async_april.data import PromptDataset, PromptRow
 from async_april.store import RolloutStore
