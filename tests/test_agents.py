@@ -332,12 +332,12 @@ def test_a_resumed_trajectory_equals_the_uninterrupted_one(model_dir, tokenizer,
 
 
 def test_a_timed_out_tool_does_not_block_other_rollouts(model_dir, tokenizer):
-    """One prompt's tool hangs; step_timeout_s=1. The other rollouts finish while it hangs, the hung one
+    """One prompt's tool hangs; step_timeout_s=3. The other rollouts finish while it hangs, the hung one
     ends at the timeout with the environment's on_failure (reward -1), counted in agent/step_timeouts."""
     rows = turn_rows(tokenizer, 64, seed=2)
     hang = next(r for r in rows if r.answer.startswith("0"))
     others = [r for r in rows if not r.answer.startswith("0")][:5]
-    cfg = make_cfg(model_dir, "tests.agent_envs:HangingToolEnv", "rollout.agent.step_timeout_s=1.0",
+    cfg = make_cfg(model_dir, "tests.agent_envs:HangingToolEnv", "rollout.agent.step_timeout_s=3.0",
                    "rollout.agent.step_concurrency=2")
     actor = make_actor(cfg, model_dir)
     finished: dict[int, float] = {}
@@ -360,7 +360,7 @@ def test_a_timed_out_tool_does_not_block_other_rollouts(model_dir, tokenizer):
     samples = asyncio.run(go())
     assert samples[0].done and samples[0].env_reward == -1.0 and samples[0].turns == 1
     assert all(s.done and s.env_reward >= 0 for s in samples[1:])
-    assert max(finished[i] for i in range(1, 6)) < 1.0 <= finished[0], finished
+    assert max(finished[i] for i in range(1, 6)) < 3.0 <= finished[0], finished
     m = actor.agent.metrics()
     assert m["agent/step_timeouts"] == 1 and m["agent/steps"] == sum(s.turns for s in samples)
 
