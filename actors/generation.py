@@ -13,6 +13,10 @@ old weights, then load) or continues (the engine loads between two decode
 steps and the requests in flight keep their KV cache), per
 `rollout.on_weight_update`.
 
+With `rollout.env` set, each leased sample runs as a multi-turn episode
+(`actors/agents/runner.py`: model turns and environment steps, off this loop)
+in place of one generate; aborts reach samples waiting on a step too.
+
 A plain class; `train.py` wraps it with `ray.remote`. Its methods are async
 and interleave on one event loop, so no locks are needed.
 """
@@ -51,10 +55,12 @@ def stop_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(t) for t in ids))
 
 
-def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True) -> int:
+def sampling_seed(run_seed: int, sample: Sample, resumable: bool = True, turn: int | None = None) -> int:
     """Per-request seed: reproducible whatever else shares the batch, new for each resume
-    (or, with resumable=False, one per response: its identity across resumes)."""
-    key = f"{run_seed}/{sample.prompt_index}/{sample.sample_index}/{sample.num_tokens if resumable else 'response'}".encode()
+    (or, with resumable=False, one per response: its identity across resumes; with `turn` too,
+    one per model turn of a multi-turn response)."""
+    ident = "response" if turn is None else f"turn{turn}"
+    key = f"{run_seed}/{sample.prompt_index}/{sample.sample_index}/{sample.num_tokens if resumable else ident}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
@@ -77,6 +83,8 @@ class GenerationActor:
         self.stop_token_ids = stop_token_ids(model_path, self.tokenizer)
         self.engine = engine if engine is not None else make_engine(cfg, model_path)
         self.scorer = RewardScorer(cfg.reward)
+        self.agent = None
+        """Multi-turn rollouts (rollout.env): the turn loop that replaces a single generate."""
         self.inflight: dict[str, asyncio.Task] = {}
         self.open = asyncio.Event()
         """Set while run() may lease; cleared by an early stop or a weight load (see _close)."""
@@ -95,6 +103,13 @@ class GenerationActor:
         """Prompt + partial tokens sent again to resume aborted responses: re-prefill this actor asked for."""
         self.lease_block = max(1, cfg.rollout.concurrency // ADMISSION_BLOCK_DIVISOR)
         self._last_flush = 0.0
+        if cfg.rollout.env is not None:
+            from actors.agents.env import make_env
+            from actors.agents.runner import AgentRunner
+
+            env = make_env(cfg.rollout.env, self.tokenizer, cfg.rollout.agent.env_args)
+            self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids + tuple(int(t) for t in getattr(env, "turn_end_ids", ()))))
+            self.agent = AgentRunner(cfg, env, self.engine, self._turn_request, self.aborting)
 
     async def start(self) -> int:
         await self.engine.start()
@@ -133,6 +148,8 @@ class GenerationActor:
                 await asyncio.sleep(POLL_S)
 
     async def _generate(self, sample: Sample) -> None:
+        if self.agent is not None:
+            return await self._run_agent(sample)
         r = self.cfg.rollout
         remaining = r.max_new_tokens - sample.num_tokens
         if sample.uid in self.aborting:
@@ -163,6 +180,39 @@ class GenerationActor:
             sample.reward = await self._score(sample)
         self.outbox.append((sample, sample.uid in self.early))
 
+    async def _run_agent(self, sample: Sample) -> None:
+        """Multi-turn: the environment's turn loop (actors/agents/runner.py) in place of one generate;
+        the reward is the sum of the environment's step rewards."""
+        from actors.agents.env import EnvRow
+
+        if sample.uid not in self.aborting:
+            if sample.num_tokens:  # a resume sends the whole context again
+                self.resume_prefill_tokens += len(sample.prompt_ids) + sample.num_tokens
+            before = sample.num_model_tokens
+            row = EnvRow(prompt=self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
+                         prompt_ids=sample.prompt_ids, answer=sample.answer or "", extra=dict(sample.extra),
+                         seed=sampling_seed(self.cfg.run.seed, sample, resumable=False))
+            await self.agent.run(sample, row)
+            self.generated_tokens += sample.num_model_tokens - before
+        if sample.done:
+            sample.reward = sample.env_reward
+            sample.reward_parts = {"env": sample.env_reward}
+        self.outbox.append((sample, sample.uid in self.early))
+
+    def _turn_request(self, sample: Sample, max_new_tokens: int, prompt_len: int, turn: int) -> GenerateRequest:
+        """The engine request for model turn `turn` of a multi-turn sample (or its resume): everything
+        so far as token ids. `prompt_len` (where this turn's context ends) and a per-turn response seed
+        let the simulated engine keep each turn's drawn length across resumes."""
+        r = self.cfg.rollout
+        return GenerateRequest(
+            request_id=f"{self.actor_id}/{sample.uid}/r{sample.num_resumes}/t{turn}/",
+            input_ids=sample.resume_input_ids(),
+            prompt_len=prompt_len,
+            response_seed=sampling_seed(self.cfg.run.seed, sample, resumable=False, turn=turn),
+            sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    stop_token_ids=self.stop_token_ids, seed=sampling_seed(self.cfg.run.seed, sample)),
+        )
+
     async def _score(self, sample: Sample) -> float:
         """Off the engine's path: a process pool when reward.num_workers > 0."""
         prompt = self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
@@ -183,6 +233,8 @@ class GenerationActor:
         already on its way when leasing closed) is neither aborted nor waited for."""
         tasks = dict(self.inflight)
         self.aborting.update(tasks)
+        if self.agent is not None:
+            self.agent.abort(tasks)  # samples waiting on an environment step leave now, the step pending
         try:
             await self.engine.abort_all()
             await self._settle(tasks)
@@ -309,6 +361,7 @@ class GenerationActor:
             "perf/engine_batch_capacity": st.batch_capacity,
             # Re-prefill asked for by resumes (any engine) plus caches an engine rebuilt itself.
             "rollout/reprefill_tokens": self.resume_prefill_tokens + st.reprefill_tokens,
+            **(self.agent.metrics() if self.agent is not None else {}),
         }
 
     def version(self) -> int:

@@ -263,7 +263,8 @@ class ActorPool:
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
                 if i in self._last:
                     self._last[i]["rollout/inflight"] = 0.0
-        return {k: float(sum(m[k] for m in self._last.values())) for k in TOTAL_KEYS}
+        keys = TOTAL_KEYS + tuple(sorted({k for m in self._last.values() for k in m if k.startswith("agent/")}))
+        return {k: float(sum(m.get(k, 0.0) for m in self._last.values())) for k in keys}
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/actor_restarts": self.restarts, "rollout/actors_alive": len(self.actors)}

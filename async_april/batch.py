@@ -32,6 +32,9 @@ class TrainBatch:
     proximal_logprobs: list[np.ndarray] | None = None
     """Per response token, the learner's pre-update policy (decoupled correction with several
     mini-batches): filled in by the learner, never by the rollout side."""
+    loss_masks: list[np.ndarray] | None = None
+    """Per response token, 1 for model tokens and 0 for environment tokens (multi-turn rollouts);
+    None: every response token is the model's. Loss, normalisers and staleness read only 1s."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -42,7 +45,21 @@ class TrainBatch:
 
     @property
     def num_response_tokens(self) -> int:
-        return int(self.response_lens.sum())
+        """Trained response tokens: the model's (environment tokens count in no normaliser)."""
+        return int(self.model_lens.sum())
+
+    @property
+    def model_lens(self) -> np.ndarray:
+        """Model tokens per row (= response_lens without environment tokens)."""
+        if self.loss_masks is None:
+            return self.response_lens
+        return np.array([int(np.asarray(m).sum()) for m in self.loss_masks], np.int64)
+
+    def model_versions(self) -> list[np.ndarray]:
+        """Per row, the versions of the model's tokens only."""
+        if self.loss_masks is None:
+            return self.versions
+        return [v[np.asarray(m).astype(bool)] for v, m in zip(self.versions, self.loss_masks)]
 
     def select(self, rows: list[int] | np.ndarray) -> "TrainBatch":
         rows = list(rows)
@@ -54,6 +71,7 @@ class TrainBatch:
             advantages=self.advantages[rows],
             policy_version=self.policy_version,
             proximal_logprobs=None if self.proximal_logprobs is None else [self.proximal_logprobs[i] for i in rows],
+            loss_masks=None if self.loss_masks is None else [self.loss_masks[i] for i in rows],
         )
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
@@ -80,4 +98,7 @@ def build_train_batch(groups: list[Group], advantages: np.ndarray, policy_versio
         versions=[s.versions.astype(np.int64) for s in samples],
         advantages=advantages.reshape(-1).astype(np.float32),
         policy_version=policy_version,
+        # Only multi-turn responses hold environment tokens; single-turn batches keep None (all model).
+        loss_masks=[s.model_mask.astype(np.float32) for s in samples]
+        if any(not s.model_mask.all() for s in samples) else None,
     )

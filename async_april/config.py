@@ -64,7 +64,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     source: str = "builtin:reverse"
-    """Prompt source: `builtin:reverse` (synthetic digit reversal), a local .jsonl / .parquet file, or `hf:NAME` (Hugging Face `datasets`)."""
+    """Prompt source: `builtin:reverse` (synthetic digit reversal), `builtin:reverse_turns` (its multi-turn form, with `rollout.env=builtin:reverse_turns`), a local .jsonl / .parquet file, or `hf:NAME` (Hugging Face `datasets`)."""
     hf_config: str | None = None
     """Hugging Face dataset config name, for `hf:` sources."""
     split: str = "train"
@@ -147,6 +147,23 @@ class SGLangConfig(Section):
         return self
 
 
+class AgentConfig(Section):
+    """Multi-turn rollouts with an environment (`rollout.env`); see docs/agents.md."""
+
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (it is called as `Class(tokenizer=..., **env_args)`); plain data only."""
+    max_turns: int = Field(8, ge=1, le=10_000)
+    """Most model turns per response; a response that reaches it without the environment saying done ends with reason `length`."""
+    max_turn_tokens: int | None = Field(None, ge=1)
+    """Longest single model turn in tokens (a longer turn is cut and handed to the environment as it is); None: whatever `rollout.max_new_tokens` leaves. The whole response (model and environment tokens together) is capped by `rollout.max_new_tokens`."""
+    max_observation_tokens: int = Field(512, ge=0)
+    """Longest observation the environment may append after one turn; a longer one is treated as a failed step (the environment's `on_failure` chooses what happens, counted in agent/step_failures)."""
+    step_timeout_s: float = Field(30.0, gt=0.0, le=86400.0)
+    """Longest one environment step (a tool call) may run; past it the step counts as failed and the environment's `on_failure` observation is used. The step's thread is left to finish on its own (Python threads cannot be killed)."""
+    step_concurrency: int = Field(16, ge=1, le=4096)
+    """Environment steps running at once per generation actor, each in a thread of its own off the generation loop; more wait their turn. A timed-out step frees its slot."""
+
+
 MOVED_ROLLOUT_KEYS = {"sglang_url": "rollout.sglang.url", "request_timeout_s": "rollout.sglang.request_timeout_s",
                       "retries": "rollout.sglang.retries"}
 """Flat SGLang keys of earlier versions and where they live now."""
@@ -191,6 +208,10 @@ class RolloutConfig(Section):
     """Simulated engine: response-length distribution (`lognormal`, `april`, `copris`, or a histogram file)."""
     simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
     """Simulated engine: real seconds per simulated second (0.01 runs 100x faster than the modelled GPU)."""
+    env: str | None = None
+    """Multi-turn rollouts: the environment class, `module:Class` (runs that code) or a built-in (`builtin:reverse_turns`, `builtin:simulated_tool`, `builtin:calculator`); None: single-turn. With an environment the response interleaves model turns and environment observations (loss mask 0), and the sample's reward is the sum of the environment's step rewards (`reward.functions` are not used). See docs/agents.md."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Turn, token, timeout and concurrency limits of multi-turn rollouts (used only with `env`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -435,6 +456,12 @@ class Config(Section):
             raise ValueError(
                 f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
                 f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
+            )
+        if r.env is not None and self.eval.datasets:
+            # The evaluation actor generates one response per prompt with no environment in the loop.
+            raise ValueError(
+                "rollout.env is set but evaluation does not run environments yet: held-out scores would be "
+                "single-turn; set eval.datasets=[] for a multi-turn run"
             )
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")

@@ -2,6 +2,7 @@
 
 Sources (`data.source`):
 - `builtin:reverse`: the synthetic long-tail digit-reversal task;
+- `builtin:reverse_turns`: its multi-turn form (chunks revealed by `rollout.env=builtin:reverse_turns`);
 - a local `.jsonl` (one JSON object per line) or `.parquet` file;
 - `hf:NAME` through Hugging Face `datasets.load_dataset(NAME, data.hf_config,
   split=data.split)` (NAME may be a hub name, a local data directory or a
@@ -99,11 +100,15 @@ def iter_raw_rows(cfg: Config) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
         from async_april.tasks.reverse import make_reverse_rows
 
         return enumerate(make_reverse_rows(cfg.data.num_prompts, cfg.run.seed), 1)
+    if src == "builtin:reverse_turns":
+        from async_april.tasks.reverse_turns import make_turn_rows
+
+        return enumerate(make_turn_rows(cfg.data.num_prompts, cfg.run.seed), 1)
     if src.startswith("hf:"):
         return enumerate(_read_hf(cfg), 1)
     path = Path(src).expanduser()
     if not path.is_file():
-        raise ConfigError(f"data.source {src!r} does not exist; give a .jsonl or .parquet file, hf:NAME or builtin:reverse")
+        raise ConfigError(f"data.source {src!r} does not exist; give a .jsonl or .parquet file, hf:NAME, builtin:reverse or builtin:reverse_turns")
     if path.suffix == ".jsonl":
         return _read_jsonl(path)
     if path.suffix == ".parquet":
@@ -143,7 +148,7 @@ def _read_parquet(path: Path, src: str) -> list[dict[str, Any]]:
 def count_rows(cfg: Config) -> int | None:
     """Rows the source will yield, when that is cheap to know (for the progress bar's ETA)."""
     src = cfg.data.source
-    if src == "builtin:reverse":
+    if src in ("builtin:reverse", "builtin:reverse_turns"):
         return cfg.data.num_prompts
     path = Path(src).expanduser()
     try:

@@ -5,6 +5,7 @@
                    write, not already used by another run unless run.resume / run.overwrite say so
       resume       run.resume -> a verified checkpoint (or a fresh start for `auto` without one)
       rewards      every name in reward.functions imported (this runs the user's module)
+      env          rollout.env imported and built once with rollout.agent.env_args (multi-turn)
       model        model.path -> a local directory (built for builtin:, a hub ID via the Hugging Face
                    cache: async_april/hub.py), its tokenizer,
                    and a checkpoint being resumed must be of this model's shape
@@ -97,6 +98,10 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
     for name, fn in rewards.items():
         check_reward_signature(name, fn, dataset.rows[0].extra)
     eval_sets = load_eval_sets(cfg, tokenizer, dataset, limit=sample_rows)
+    if cfg.rollout.env is not None:  # imports the user's module and builds one instance with env_args
+        from actors.agents.env import make_env
+
+        make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args)
     return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards, eval_sets)
 
 

@@ -144,6 +144,11 @@ def _dataclass(name: str, fields: dict[str, Any]) -> Any:
     module, _, qualname = name.partition(":")
     cls = getattr(importlib.import_module(module), qualname)
     obj = cls.__new__(cls)  # field by field: no __init__/__post_init__ side effects on restore
+    for f in dataclasses.fields(cls):  # a field added after the state was written gets its default
+        if f.name not in fields and f.default is not dataclasses.MISSING:
+            setattr(obj, f.name, f.default)
+        elif f.name not in fields and f.default_factory is not dataclasses.MISSING:
+            setattr(obj, f.name, f.default_factory())
     for k, v in fields.items():
         setattr(obj, k, v)
     return obj

@@ -109,7 +109,8 @@ class RolloutStore:
 
     def _partial_order(self, uid: str) -> tuple[int, int]:
         s = self.partials[uid]
-        return (int(s.versions.min()) if len(s.versions) else self.version, s.prompt_index)
+        v = s.model_versions  # environment tokens carry no version of their own
+        return (int(v.min()) if len(v) else self.version, s.prompt_index)
 
     def _start_group(self) -> bool:
         untrained = len(self.open_groups) + len(self.completed)

@@ -239,10 +239,14 @@ def make_batch(groups, cfg: Config, version: int):
     adv = compute_advantages(torch.from_numpy(rewards), cfg.algorithm.advantage, cfg.algorithm.adv_eps).numpy()
     batch = build_train_batch(groups, adv, version)
     lens = batch.response_lens
-    lag = staleness_metrics(batch.versions, version)
+    trained = batch.model_lens  # environment tokens (multi-turn) are neither trained nor stale
+    lag = staleness_metrics(batch.model_versions(), version)
+    samples = [s for g in groups for s in g.samples]
+    multi_turn = {"rollout/turns_mean": float(np.mean([s.turns for s in samples])),
+                  "rollout/env_tokens": int(lens.sum() - trained.sum())} if cfg.rollout.env else {}
     finish = [s.finish_reason for g in groups for s in g.samples]
     parts = [s.reward_parts for g in groups for s in g.samples]
-    reward_means = {f"reward/{k}": float(np.mean([p.get(k, 0.0) for p in parts])) for k in cfg.reward.functions}
+    reward_means = {f"reward/{k}": float(np.mean([p.get(k, 0.0) for p in parts])) for k in (["env"] if cfg.rollout.env else cfg.reward.functions)}
     return batch, {
         **reward_means,
         "rollout/reward_mean": float(rewards.mean()),
@@ -250,7 +254,8 @@ def make_batch(groups, cfg: Config, version: int):
         "rollout/response_len_mean": float(lens.mean()),
         "rollout/response_len_max": int(lens.max()),
         "rollout/length_capped_frac": finish.count("length") / len(finish),
-        "rollout/tokens": int(lens.sum()),
+        "rollout/tokens": int(trained.sum()),
+        **multi_turn,
         "rollout/resumed_samples": sum(s.num_resumes > 0 for g in groups for s in g.samples),
         # Per-token lag in versions; token_lag_* are the same numbers under the loss module's names.
         **lag,
@@ -274,6 +279,8 @@ def _step_perf(last: dict, now: dict, step_s: float) -> dict[str, float]:
         "rollout/inflight": now["rollout/inflight"],
         "rollout/reward_errors": now["rollout/reward_errors"],
         "rollout/reprefill_tokens": now["rollout/reprefill_tokens"],
+        # Multi-turn: environment steps, timeouts and failures, cumulative over the run.
+        **{k: v for k, v in now.items() if k.startswith("agent/")},
     }
 
 

@@ -5,6 +5,13 @@ behaviour logprob recorded by the engine that sampled it and the policy
 version of the weights that engine held, so a response resumed across
 several weight updates keeps the true provenance of each segment. Arrays are
 numpy (cheap to pickle through Ray), never lists.
+
+Multi-turn rollouts (actors/agents/) interleave model turns with environment
+observations in one response: `loss_mask` is 1 on every token the model
+sampled and 0 on every token the environment appended. Environment tokens have
+no behaviour logprob (0) and no policy version of their own (they repeat the
+previous token's, so `versions` never decreases); everything that trains on or
+measures tokens reads them through `loss_mask`.
 """
 
 from __future__ import annotations
@@ -39,6 +46,17 @@ class Sample:
     """Other dataset columns, passed to the reward functions as keyword arguments."""
     reward_parts: dict = field(default_factory=dict)
     """Value of each configured reward function, before weighting."""
+    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+    """Per response token: 1 sampled by the model (trained), 0 appended by an environment (never trained)."""
+    env_state: dict | None = None
+    """Multi-turn: the environment's state after the last applied step (plain data); None before reset."""
+    env_pending: bool = False
+    """Multi-turn: the last model turn ended but its environment step has not been applied yet
+    (interrupted while the step ran); a resume runs that step first."""
+    turns: int = 0
+    """Multi-turn: model turns whose environment step has been applied."""
+    env_reward: float = 0.0
+    """Multi-turn: sum of the environment's step rewards so far (the sample's reward when it ends)."""
 
     @property
     def uid(self) -> str:
@@ -52,6 +70,30 @@ class Sample:
     def num_tokens(self) -> int:
         return int(self.response_ids.shape[0])
 
+    @property
+    def model_mask(self) -> np.ndarray:
+        """`loss_mask` as bool; all True for a response without one (single-turn, or restored from a
+        checkpoint written before multi-turn rollouts)."""
+        m = getattr(self, "loss_mask", None)
+        if m is None or len(m) != self.num_tokens:
+            return np.ones(self.num_tokens, bool)
+        return m.astype(bool)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return int(self.model_mask.sum())
+
+    @property
+    def model_versions(self) -> np.ndarray:
+        """Versions of the model's tokens only (what staleness is measured on)."""
+        return self.versions[self.model_mask]
+
+    @property
+    def turn_start(self) -> int:
+        """Response index where the current model turn began: just after the last environment token."""
+        env = np.nonzero(~self.model_mask)[0]
+        return int(env[-1]) + 1 if len(env) else 0
+
     def extend(self, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray, finish_reason: FinishReason) -> None:
         """Append a generated segment (from a first attempt or a resume)."""
         if not (len(ids) == len(logprobs) == len(versions)):
@@ -62,10 +104,27 @@ class Sample:
         if np.any(np.diff(joined) < 0):
             i = int(np.argmax(np.diff(joined) < 0))
             raise ValueError(f"{self.uid}: version went backwards ({joined[i]} -> {joined[i + 1]})")
+        mask = self._mask_so_far()
         self.response_ids = np.concatenate([self.response_ids, np.asarray(ids, np.int64)])
         self.behavior_logprobs = np.concatenate([self.behavior_logprobs, np.asarray(logprobs, np.float32)])
         self.versions = np.concatenate([self.versions, np.asarray(versions, np.int64)])
+        self.loss_mask = np.concatenate([mask, np.ones(len(ids), np.int8)])
         self.finish_reason = finish_reason
+
+    def observe(self, ids: np.ndarray) -> None:
+        """Append environment tokens: loss mask 0, logprob 0, the previous token's version (no meaning
+        of their own; repeating it keeps `versions` monotone and the oldest model token the minimum)."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        last = self.versions[-1:] if len(self.versions) else np.zeros(1, np.int64)
+        mask = self._mask_so_far()
+        self.response_ids = np.concatenate([self.response_ids, ids])
+        self.behavior_logprobs = np.concatenate([self.behavior_logprobs, np.zeros(len(ids), np.float32)])
+        self.versions = np.concatenate([self.versions, np.repeat(last, len(ids))])
+        self.loss_mask = np.concatenate([mask, np.zeros(len(ids), np.int8)])
+
+    def _mask_so_far(self) -> np.ndarray:
+        """The mask of the tokens held now (called before appending)."""
+        return self.model_mask.astype(np.int8)
 
     def resume_input_ids(self) -> np.ndarray:
         """What an engine prefills to continue this response: prompt plus the partial response."""
@@ -89,5 +148,5 @@ class Group:
 
     def min_version(self) -> int:
         """Oldest policy version of any token in the group (its staleness bound)."""
-        vs = [int(s.versions.min()) for s in self.samples if len(s.versions)]
+        vs = [int(v.min()) for s in self.samples if len(v := s.model_versions)]
         return min(vs) if vs else -1

@@ -17,11 +17,19 @@ aborted tokens discarded.
     python benchmarks/rollout_throughput.py --engine torch --steps 20
     python benchmarks/rollout_throughput.py --policies --engine both     # on_weight_update: interrupt / drain / continue
     python benchmarks/rollout_throughput.py --policies --engine torch --learner-step-s 0.2   # generation-bound
+    python benchmarks/rollout_throughput.py --multi-turn --steps 8       # agents: sync vs async with tool latency
 
 `--policies` runs the async preset once per `rollout.on_weight_update` policy
 (plus sync as the baseline) and adds the engine's utilisation while busy
 (utilisation / (1 - idle)), the decode batch's occupancy (running requests per decode step over
 rollout.concurrency) and the tokens re-prefilled per step.
+
+`--multi-turn` runs sync and async on the simulated engine with a tool-calling environment
+(`rollout.env=builtin:simulated_tool`, actors/agents/simulated.py): 2-6 model turns per response,
+each turn's length drawn from `lognormal` (median 300 tokens), a tool call after every turn whose
+latency is lognormal (median MULTI_TURN_TOOL["median_s"] simulated seconds, sigma 1, capped at 60 s),
+64 observation tokens per call. Useful tokens count model tokens only. Writes
+rollout_throughput_multiturn.json.
 
 Prints a table and writes benchmarks/results/rollout_throughput.json (rollout_throughput_ENGINE.json
 with --engine).
@@ -185,6 +193,37 @@ def bench_torch(steps: int, tmp: Path) -> list[dict]:
     return out
 
 
+MULTI_TURN_TOOL = {"median_s": 2.0, "sigma": 1.0, "max_s": 60.0, "min_turns": 2, "max_turns": 6, "obs_tokens": 64}
+"""The simulated agent workload of --multi-turn (env_args of builtin:simulated_tool, simulated seconds)."""
+
+
+def bench_multiturn(steps: int, tmp: Path) -> list[dict]:
+    """Sync vs async on a simulated multi-turn workload with tool latency (module docstring)."""
+    from learners.simulated import SimulatedLearner
+
+    limit, scale = SIM_WORKLOADS["lognormal"]
+    env_args = "{" + ", ".join(f"{k}: {v}" for k, v in {**MULTI_TURN_TOOL, "time_scale": scale}.items()) + "}"
+    over = ["rollout.engine=simulated", "rollout.simulated_lengths=lognormal", f"rollout.simulated_time_scale={scale}",
+            "rollout.batch_groups=32", "rollout.n_samples=8", "rollout.num_actors=2", "rollout.concurrency=128",
+            "run.pin_cpus=false", "rollout.max_new_tokens=16384", f"run.steps={steps}",
+            "rollout.env=builtin:simulated_tool", f"rollout.agent.env_args={env_args}",
+            f"rollout.agent.max_turns={MULTI_TURN_TOOL['max_turns']}", f"rollout.agent.max_turn_tokens={limit}",
+            f"rollout.agent.max_observation_tokens={MULTI_TURN_TOOL['obs_tokens']}",
+            "rollout.agent.step_concurrency=128", "rollout.agent.step_timeout_s=600"]
+    out = []
+    for mode in ("sync", "async"):
+        extra = ["async.max_staleness=4", "rollout.over_provision=5"] if mode == "async" else []  # as bench_simulated
+        cfg = mode_config(mode, tmp, over + extra)
+        progress(f"simulated/multi-turn: {mode}")
+        rows = run(cfg, learner_factory=lambda *_: SimulatedLearner(step_s=30.0, time_scale=scale))
+        s = summarize(rows, warmup=2)
+        s["utilisation"] = float("nan")  # no steady-state ceiling: tool time is not engine time
+        s["turns_mean"] = statistics.mean(r["rollout/turns_mean"] for r in rows[2:])
+        s["tool_steps"] = rows[-1].get("agent/steps", 0.0)
+        out.append({"engine": "simulated", "workload": "multi-turn", "mode": mode, **s, "tool": MULTI_TURN_TOOL})
+    return out
+
+
 POLICIES = ("interrupt", "drain", "continue")
 
 
@@ -280,10 +319,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--learner-step-s", type=float, default=None,
                     help="with --policies --engine torch: a simulated learner taking this many seconds per step "
                          "(no weights move) instead of the FSDP2 one, so that generation sets the pace")
+    ap.add_argument("--multi-turn", action="store_true", help="sync vs async on a simulated multi-turn workload with tool latency")
     a = ap.parse_args(argv)
     if a.learner_step_s is not None and not (a.policies and a.engine == "torch"):
         ap.error("--learner-step-s goes with --policies --engine torch")
     results: list[dict] = []
+    if a.multi_turn:
+        with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:
+            results = bench_multiturn(a.steps or 8, Path(tmp))
+        add_ratios(results)
+        print(table(results))
+        print(f"wrote {write_json('rollout_throughput_multiturn.json', {'results': results})}")
+        return
     if a.policies:
         engines = ["simulated", "torch"] if a.engine == "both" else [a.engine]
         with tempfile.TemporaryDirectory(prefix="aa-bench-") as tmp:

@@ -90,8 +90,10 @@ def collate(
     device: torch.device | str = "cpu",
     pad_id: int = 0,
     proximal_logprobs: list[np.ndarray] | None = None,
+    loss_masks: list[np.ndarray] | None = None,
 ) -> MicroBatch:
-    """Right-pad a list of rows into a `MicroBatch`."""
+    """Right-pad a list of rows into a `MicroBatch`. `loss_masks` (per response token, 0 for
+    environment tokens) becomes part of `response_mask`, so loss, normalisers and metrics skip them."""
     n = len(input_ids)
     seq_len = max(len(x) for x in input_ids)
     resp_len = max(max((len(b) for b in behavior_logprobs), default=0), 1)
@@ -104,7 +106,7 @@ def collate(
             raise ValueError(f"row {i}: {len(x)} tokens but prompt {int(prompt_lens[i])} + response {len(b)}")
         ids[i, : len(x)] = x
         attn[i, : len(x)] = 1
-        rmask[i, : len(b)] = 1.0
+        rmask[i, : len(b)] = 1.0 if loss_masks is None else np.asarray(loss_masks[i], np.float32)
         blp[i, : len(b)] = b
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     prox = None

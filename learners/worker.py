@@ -320,7 +320,7 @@ class LearnerWorker:
 
     def _collate(self, sub: "TrainBatch"):
         return collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id,
-                       proximal_logprobs=sub.proximal_logprobs)
+                       proximal_logprobs=sub.proximal_logprobs, loss_masks=sub.loss_masks)
 
     def _zero_loss_backward(self) -> None:
         dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)

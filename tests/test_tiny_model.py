@@ -93,3 +93,22 @@ def test_full_build_leaves_room_for_rl(tmp_path):
     assert info["eval_greedy_reward"] >= info["eval_sampled_reward"] - 0.05
     assert resolve_model_path("builtin:tiny-reverse", DEFAULT_CACHE_DIR) == path
     AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_multi_turn_warm_start_covers_the_turn_format(tmp_path):
+    """builtin:tiny-reverse-turns: its own cache entry, trained on whole episodes with labels on the
+    model's replies (and their EOS) only, never on the environment's chunks."""
+    from async_april.models.tiny import _sft_sequence
+
+    tok = build_tokenizer()
+    ids, labels = _sft_sequence(tok, {"prompt": "314=", "answer": "314,15", "chunks": ["314", "15"]})
+    assert tok.decode(ids) == "<s>314=413</s>15=51</s>"
+    trained = [t for t, lab in zip(ids, labels) if lab != -100]
+    assert tok.decode(trained) == "413</s>51</s>" and labels == [lab if lab == -100 else t for t, lab in zip(ids, labels)]
+    quick = dict(sft_steps=3, eval_prompts=8, eval_max_new_tokens=8)
+    turns = ensure_tiny_model(str(tmp_path), seed=0, task="reverse_turns", **quick)
+    single = ensure_tiny_model(str(tmp_path), seed=0, **quick)
+    assert turns.name.startswith("tiny-reverse-turns-") and single.name.startswith("tiny-reverse-") and turns != single
+    info = json.loads((turns / "build_info.json").read_text())
+    assert info["task"] == "reverse_turns" and info["name"] == "builtin:tiny-reverse-turns"
+    assert 0 <= info["eval_sampled_reward"] <= 1

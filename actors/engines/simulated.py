@@ -31,6 +31,11 @@ The original prompt is `input_ids[:request.prompt_len]` when the caller sets
 response); otherwise the whole `input_ids` on the first call, and on a resume
 without `prompt_len` the engine falls back to what it remembered for that seed.
 A resumed call generates only what is left of the target.
+
+Multi-turn rollouts send one request per model turn (`prompt_len` = the context
+before the turn, a `response_seed` per turn), so each turn draws its own length;
+the tool calls between turns take simulated time drawn from `ToolLatency`
+(actors/agents/simulated.py runs them).
 """
 
 from __future__ import annotations
@@ -80,6 +85,26 @@ class LatencyModel:
 
     def step_s(self, running: int, batch_tokens: int, prefill_tokens: int = 0) -> float:
         return self.a + self.b * running + self.c * batch_tokens + self.prefill_s_per_token * prefill_tokens
+
+
+@dataclass(frozen=True)
+class ToolLatency:
+    """Simulated seconds one tool call (an environment step of a multi-turn rollout) takes: lognormal
+    around `median_s` with log-std `sigma`, capped at `max_s`. Drawn per call, so a few calls form the
+    long tail agents add to generation time. Used by `actors/agents/simulated.py`."""
+
+    median_s: float = 2.0
+    sigma: float = 1.0
+    max_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.median_s < 0 or self.sigma < 0 or self.max_s < 0:
+            raise ValueError(f"tool latency median_s, sigma and max_s must be >= 0, got {self}")
+
+    def sample(self, rng: np.random.Generator) -> float:
+        if self.median_s == 0:
+            return 0.0
+        return float(min(self.max_s, self.median_s * np.exp(self.sigma * rng.standard_normal())))
 
 
 class LengthDistribution:

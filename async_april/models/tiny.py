@@ -12,7 +12,11 @@ improve (sampled reward ~0.4, greedy ~0.6). The build is deterministic from the
 seed, takes ~35 s on one CPU thread and happens once, into
 `<cache_dir>/tiny-reverse-<hash>/`.
 
-Launch: `python -m async_april.models.tiny [--cache-dir D] [--seed S] [--force]`
+`builtin:tiny-reverse-turns` is the same model warm-started on the multi-turn
+form of the task (async_april/tasks/reverse_turns.py): whole episodes, each
+chunk followed by its reversal and EOS, so it knows the turn format before RL.
+
+Launch: `python -m async_april.models.tiny [--cache-dir D] [--seed S] [--force] [--task reverse_turns]`
 (or `async-april build-model`).
 """
 
@@ -38,6 +42,8 @@ from async_april.rewards.reverse import reverse_match
 from async_april.tasks.reverse import LENGTH_BUCKETS, LENGTH_PROBS, sample_reverse_rows
 
 BUILTIN_NAME = "builtin:tiny-reverse"
+BUILTIN_TASKS = {BUILTIN_NAME: "reverse", "builtin:tiny-reverse-turns": "reverse_turns"}
+"""Built-in model names and the task their warm start covers."""
 DEFAULT_CACHE_DIR = "~/.cache/async_april"
 MARKER = "BUILD_COMPLETE"
 """Written last inside a finished build directory."""
@@ -177,14 +183,36 @@ def build_random_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **overrid
 # ------------------------------------------------------------- warm start
 
 
+def _sft_sequence(tok, row: dict) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one row: `<s> digits = reversed </s>`, or for a multi-turn row (`chunks`)
+    `<s> c1 = r1 </s> c2 = r2 </s> ...`; labels only on the model's tokens (replies and EOS)."""
+    ids = tok(row["prompt"])["input_ids"]
+    labels = [-100] * len(ids)
+    turns = row.get("chunks") or [row["answer"][::-1]]  # single-turn: the answer is the reversal
+    for i, chunk in enumerate(turns):
+        if i:  # the environment's observation: the next chunk and `=`
+            obs = tok(chunk + "=", add_special_tokens=False)["input_ids"]
+            ids, labels = ids + obs, labels + [-100] * len(obs)
+        reply = tok(chunk[::-1], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids, labels = ids + reply, labels + reply
+    return ids, labels
+
+
+def _sft_rows(rng: np.random.Generator, n: int, task: str) -> list[dict]:
+    if task == "reverse":
+        return sample_reverse_rows(rng, n)
+    from async_april.tasks.reverse_turns import SEP, sample_turn_rows
+
+    return [{**r, "chunks": r["answer"].split(SEP)} for r in sample_turn_rows(rng, n)]
+
+
 def _sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded `<s> digits = reversed </s>` with labels only on the response tokens."""
+    """Right-padded rows (`_sft_sequence`) with labels only on the response tokens."""
     seqs, labels = [], []
     for row in rows:
-        prompt = tok(row["prompt"])["input_ids"]
-        response = tok(row["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        seqs.append(prompt + response)
-        labels.append([-100] * len(prompt) + response)
+        ids, lab = _sft_sequence(tok, row)
+        seqs.append(ids)
+        labels.append(lab)
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
     lab = torch.full((len(seqs), width), -100, dtype=torch.long)
@@ -217,7 +245,7 @@ def _sft_step(model, tok, rows: list[dict], micro_batches: int) -> torch.Tensor:
     return total
 
 
-def warm_start(model, tok, settings: TinyBuildSettings, seed: int) -> float:
+def warm_start(model, tok, settings: TinyBuildSettings, seed: int, task: str = "reverse") -> float:
     """Teacher-forced SFT on reversal rows from the build's own seed stream; returns the last loss."""
     rng = np.random.default_rng([seed, _SFT_STREAM])
     opt = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr)
@@ -226,7 +254,7 @@ def warm_start(model, tok, settings: TinyBuildSettings, seed: int) -> float:
     with stage("building the tiny model: SFT warm start", total=settings.sft_steps, unit="step") as bar:
         for _ in range(settings.sft_steps):
             opt.zero_grad(set_to_none=True)
-            rows = sample_reverse_rows(rng, settings.sft_batch_size)
+            rows = _sft_rows(rng, settings.sft_batch_size, task)
             loss = _sft_step(model, tok, rows, settings.sft_micro_batches)
             opt.step()
             bar.update(1)
@@ -261,23 +289,59 @@ def evaluate(model, tok, rows: list[dict], sample: bool, seed: int = 0, max_new_
     return float(np.mean(rewards))
 
 
+@torch.no_grad()
+def evaluate_turns(model, tok, rows: list[dict], sample: bool, seed: int = 0, max_turn_tokens: int = 12) -> float:
+    """Mean episode reward of the multi-turn task (async_april/tasks/reverse_turns.py), one episode
+    at a time, turns appended as token ids exactly as the environment runner does."""
+    from actors.agents.env import EnvRow
+    from async_april.tasks.reverse_turns import ReverseTurnsEnv
+
+    torch.manual_seed(seed)
+    model.eval()
+    env = ReverseTurnsEnv(tokenizer=tok)
+    rewards = []
+    for row in rows:
+        ids = tok(row["prompt"])["input_ids"]
+        state = env.reset(EnvRow(row["prompt"], np.asarray(ids), row["answer"], {}, 0)).state
+        total, done = 0.0, False
+        while not done:
+            x = torch.tensor([ids])
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_turn_tokens,
+                                 do_sample=sample, temperature=1.0 if sample else None, top_k=0 if sample else None,
+                                 top_p=1.0 if sample else None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            turn = out[0, len(ids):].tolist()
+            step = env.step(state, np.asarray(turn))
+            total, done, state = total + step.reward, step.done, step.state
+            ids = ids + turn + step.observation_ids.tolist()
+        rewards.append(total)
+    return float(np.mean(rewards))
+
+
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0,
-                     settings: TinyBuildSettings = TinyBuildSettings()) -> dict:
+                     settings: TinyBuildSettings = TinyBuildSettings(), task: str = "reverse") -> dict:
     """Build the warm-started tiny model into `out_dir`; returns the build info (also in build_info.json)."""
     out = Path(out_dir)
     t0 = time.perf_counter()
     tok = build_tokenizer()
     with _one_thread():
         model = _new_model(tok, settings, seed, {})
-        final_loss = warm_start(model, tok, settings, seed)
+        final_loss = warm_start(model, tok, settings, seed, task)
         sft_s = time.perf_counter() - t0
-        eval_rows = sample_reverse_rows(np.random.default_rng([seed, _EVAL_STREAM]), settings.eval_prompts)
-        sampled = evaluate(model, tok, eval_rows, sample=True, seed=seed,
-                           max_new_tokens=settings.eval_max_new_tokens)
-        greedy = evaluate(model, tok, eval_rows, sample=False, max_new_tokens=settings.eval_max_new_tokens)
+        eval_rng = np.random.default_rng([seed, _EVAL_STREAM])
+        if task == "reverse":
+            eval_rows = sample_reverse_rows(eval_rng, settings.eval_prompts)
+            sampled = evaluate(model, tok, eval_rows, sample=True, seed=seed,
+                               max_new_tokens=settings.eval_max_new_tokens)
+            greedy = evaluate(model, tok, eval_rows, sample=False, max_new_tokens=settings.eval_max_new_tokens)
+        else:  # one episode at a time: a smaller held-out set keeps the build short
+            eval_rows = _sft_rows(eval_rng, settings.eval_prompts // 4, task)
+            sampled = evaluate_turns(model, tok, eval_rows, sample=True, seed=seed)
+            greedy = evaluate_turns(model, tok, eval_rows, sample=False)
         _save(model, tok, out)
+    name = next(n for n, t in BUILTIN_TASKS.items() if t == task)
     info = {
-        "name": BUILTIN_NAME,
+        "name": name,
+        "task": task,
         "seed": seed,
         "build_version": BUILD_VERSION,
         "settings": dataclasses.asdict(settings),
@@ -298,9 +362,10 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0,
 # ------------------------------------------------------------------ cache
 
 
-def build_hash(seed: int, settings: TinyBuildSettings) -> str:
+def build_hash(seed: int, settings: TinyBuildSettings, task: str = "reverse") -> str:
     """Short hash of the build settings, the task's length mix, the vocab and the seed."""
-    key = {
+    key: dict = {} if task == "reverse" else {"task": task, "turns": _turn_task_shape()}  # reverse: hash as before tasks
+    key |= {
         "v": BUILD_VERSION,
         "seed": seed,
         "settings": dataclasses.asdict(settings),
@@ -309,6 +374,12 @@ def build_hash(seed: int, settings: TinyBuildSettings) -> str:
         "vocab": VOCAB,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _turn_task_shape() -> dict:
+    from async_april.tasks.reverse_turns import CHUNK_LEN, CHUNKS
+
+    return {"chunks": CHUNKS, "chunk_len": CHUNK_LEN}
 
 
 @contextlib.contextmanager
@@ -327,7 +398,7 @@ def _file_lock(path: Path):
 
 
 def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, force: bool = False,
-                      **settings_overrides) -> Path:
+                      task: str = "reverse", **settings_overrides) -> Path:
     """Path of the built tiny model, building it first if missing (or if `force`).
 
     The build goes into a unique temporary directory that is renamed into
@@ -338,7 +409,8 @@ def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, forc
     settings = dataclasses.replace(TinyBuildSettings(), **settings_overrides)
     root = Path(cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"tiny-reverse-{build_hash(seed, settings)}"
+    prefix = "tiny-reverse" if task == "reverse" else f"tiny-{task.replace('_', '-')}"
+    target = root / f"{prefix}-{build_hash(seed, settings, task)}"
     if (target / MARKER).exists() and not force:
         return target
     with _file_lock(root / f".{target.name}.lock"):
@@ -348,7 +420,7 @@ def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, forc
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
         try:
             say(f"building the tiny model into {target} (seed {seed}, {settings.sft_steps} SFT steps; once, ~35 s)")
-            build_tiny_model(tmp, seed, settings)
+            build_tiny_model(tmp, seed, settings, task)
             (tmp / MARKER).write_text("ok\n")
             if target.exists():  # stale, incomplete or forced: move it aside first
                 old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=root))
@@ -367,9 +439,9 @@ def ensure_tiny_model(cache_dir: str = DEFAULT_CACHE_DIR, seed: int = 0, *, forc
 def resolve_model_path(path: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     """`builtin:tiny-reverse` -> the built tiny model; a local Hugging Face directory; else a hub ID
     `org/name[@revision]` -> its snapshot in the Hugging Face cache (async_april/hub.py)."""
-    if path == BUILTIN_NAME:
-        return ensure_tiny_model(cache_dir)
-    hint = f"set model.path to a Hugging Face model directory, a hub ID (org/name[@revision]) or {BUILTIN_NAME}"
+    if path in BUILTIN_TASKS:
+        return ensure_tiny_model(cache_dir, task=BUILTIN_TASKS[path])
+    hint = f"set model.path to a Hugging Face model directory, a hub ID (org/name[@revision]) or one of {sorted(BUILTIN_TASKS)}"
     if path.startswith("builtin:"):
         raise ValueError(f"model.path {path!r} is not a built-in model; {hint}")
     local = Path(path).expanduser()
@@ -394,8 +466,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="cache directory (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="build seed (default %(default)s)")
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
+    parser.add_argument("--task", choices=sorted(set(BUILTIN_TASKS.values())), default="reverse",
+                        help="task the warm start covers (default %(default)s)")
     args = parser.parse_args(argv)
-    path = ensure_tiny_model(args.cache_dir, args.seed, force=args.force)
+    path = ensure_tiny_model(args.cache_dir, args.seed, force=args.force, task=args.task)
     info = json.loads((path / "build_info.json").read_text())
     print(path)
     print(f"params {info['num_params']:,}  sampled reward {info['eval_sampled_reward']:.3f}  "

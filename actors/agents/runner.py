@@ -1,0 +1,218 @@
+"""The multi-turn loop: model turn, environment step, model turn, ... for one sample.
+
+    lease ──> [reset] ──> model turn (engine.generate) ──turn ends──> env step (thread, timeout)
+                  ^                                                        │
+                  └──────────── observation appended (loss mask 0) <───────┘
+    until the environment says done, or max_turns, or rollout.max_new_tokens is spent
+
+Each model turn is its own engine request whose input is the prompt plus every
+token so far (model and environment, as token ids); the engine never sees
+text. Environment steps run in a thread each, so a slow tool holds neither the
+event loop nor the other rollouts: `step_concurrency` bounds how many run at
+once and `step_timeout_s` how long one may take (a timed-out thread is left to
+finish, its slot freed).
+
+Partial rollouts: an abort (early stop, interrupt) either cuts a model turn
+(the engine returns the tokens so far, reason `abort`; the resume continues
+that turn, with the same per-turn length target on the simulated engine) or
+lands while a step runs (the sample leaves with `env_pending`; the resume runs
+that step again from the state it kept, so the continuation is the one the
+uninterrupted rollout would have had). Every model token keeps the logprob and
+version the engine recorded; environment tokens are masked out of training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import numpy as np
+
+from actors.agents.env import EnvRow, Step, on_failure
+from async_april.config import Config
+from async_april.trajectory import Sample
+
+
+class StepAborted(Exception):
+    """An abort arrived while an environment step was waiting or running."""
+
+
+def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run fn(*args) in a daemon thread of its own; an asyncio future of its result. A thread per
+    call (not a pool): a step that never returns must not take a pool worker from later steps."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def target() -> None:
+        try:
+            value, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            value, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop closed while a timed-out step was still running
+            pass
+
+    threading.Thread(target=target, name="env-step", daemon=True).start()
+    return fut
+
+
+class AgentRunner:
+    """Runs samples through `env` on `engine`; one per generation actor.
+
+    `make_request(sample, max_new_tokens, prompt_len, turn)` builds the engine request for the
+    next (or resumed) model turn; `aborting` is the actor's set of uids an abort covers."""
+
+    def __init__(self, cfg: Config, env: Any, engine: Any, make_request: Callable[..., Any], aborting: set[str]):
+        self.cfg, self.env, self.engine = cfg, env, engine
+        self.agent = cfg.rollout.agent
+        self.make_request = make_request
+        self.aborting = aborting
+        self.slots = asyncio.Semaphore(self.agent.step_concurrency)
+        self.abort_events: dict[str, asyncio.Event] = {}
+        self.counters: Counter = Counter()
+        """Cumulative: steps, step_timeouts, step_failures, step_s (`agent/*` metrics)."""
+
+    def abort(self, uids) -> None:
+        """Wake the samples among `uids` that wait on an environment step (called by the actor's abort)."""
+        for uid in uids:
+            if uid in self.abort_events:
+                self.abort_events[uid].set()
+
+    def metrics(self) -> dict[str, float]:
+        return {f"agent/{k}": float(v) for k, v in self.counters.items()}
+
+    async def run(self, sample: Sample, row: EnvRow) -> None:
+        """Advance `sample` until it ends (reason stop/length, reward = sum of step rewards) or is
+        aborted (reason abort; resumable). Mutates `sample`."""
+        self.abort_events[sample.uid] = asyncio.Event()
+        try:
+            await self._run(sample, row)
+        except StepAborted:
+            sample.finish_reason = "abort"
+        finally:
+            self.abort_events.pop(sample.uid, None)
+
+    async def _run(self, sample: Sample, row: EnvRow) -> None:
+        r, a = self.cfg.rollout, self.agent
+        if sample.env_state is None:
+            reset = await self._off_loop(sample, self.env.reset, row, timeout=None)
+            sample.env_state = dict(reset.state)
+            if reset.prompt_ids is not None:
+                sample.prompt_ids = np.asarray(reset.prompt_ids, np.int64)
+        while True:
+            if sample.env_pending:
+                if self._apply_step(sample, await self._step(sample)):
+                    return
+            self._check_abort(sample)
+            remaining = r.max_new_tokens - sample.num_tokens
+            if remaining <= 0:
+                sample.finish_reason = "length"
+                return
+            in_turn = sample.num_tokens - sample.turn_start  # > 0 when resuming a cut turn
+            budget = remaining if a.max_turn_tokens is None else min(remaining, a.max_turn_tokens - in_turn)
+            if budget <= 0:  # the turn already used its budget before it was cut: hand it over as it is
+                sample.env_pending = True
+                continue
+            req = self.make_request(sample, budget, len(sample.prompt_ids) + sample.turn_start, sample.turns)
+            res = await self.engine.generate(req)
+            sample.extend(res.output_ids, res.logprobs, res.versions, res.finish_reason)
+            if res.finish_reason == "abort":
+                return
+            if res.finish_reason == "length" and sample.num_tokens >= r.max_new_tokens:
+                return  # the response's token budget is spent mid-turn: no step for a cut-off turn
+            sample.finish_reason = None  # a turn ended, not the response
+            sample.env_pending = True
+
+    def _apply_step(self, sample: Sample, step: Step) -> bool:
+        """Append the observation, add the reward; True when the response is over."""
+        r, a = self.cfg.rollout, self.agent
+        sample.env_pending = False
+        sample.turns += 1
+        sample.env_reward += float(step.reward)
+        sample.env_state = dict(step.state)
+        if step.done:
+            sample.finish_reason = "stop"
+            return True
+        obs = np.asarray(step.observation_ids, np.int64).reshape(-1)
+        room = r.max_new_tokens - sample.num_tokens
+        sample.observe(obs[:room])
+        if sample.turns >= a.max_turns or len(obs) >= room:
+            sample.finish_reason = "length"  # out of turns, or no room left for the model to answer
+            return True
+        return False
+
+    async def _step(self, sample: Sample) -> Step:
+        """The environment's step on the last model turn, off the loop, bounded; failures go to on_failure."""
+        a = self.agent
+        turn = sample.response_ids[sample.turn_start :].copy()
+        state = dict(sample.env_state or {})
+        t0 = time.perf_counter()
+        error = None
+        try:
+            step = await self._off_loop(sample, self.env.step, state, turn, timeout=a.step_timeout_s)
+            obs = np.asarray(step.observation_ids).reshape(-1)
+            if len(obs) > a.max_observation_tokens:
+                raise ValueError(f"observation of {len(obs)} tokens is over rollout.agent.max_observation_tokens="
+                                 f"{a.max_observation_tokens}")
+        except asyncio.TimeoutError:
+            self.counters["step_timeouts"] += 1
+            error = f"timed out after {a.step_timeout_s:g}s"
+        except StepAborted:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
+            self.counters["step_failures"] += 1
+            error = f"{type(exc).__name__}: {exc}"
+        if error is not None:  # the environment chooses what the model sees; the limit still holds
+            step = on_failure(self.env, state, turn, error)
+            step = Step(np.asarray(step.observation_ids, np.int64).reshape(-1)[: a.max_observation_tokens],
+                        step.reward, step.done, step.state)
+        self.counters["steps"] += 1
+        self.counters["step_s"] += time.perf_counter() - t0
+        return step
+
+    async def _off_loop(self, sample: Sample, fn, *args, timeout: float | None):
+        """fn(*args) in a thread under the concurrency limit; StepAborted if an abort comes first,
+        asyncio.TimeoutError past `timeout` (counted from when the step starts running)."""
+        self._check_abort(sample)
+        abort = asyncio.ensure_future(self.abort_events[sample.uid].wait())
+        try:
+            slot = asyncio.ensure_future(self.slots.acquire())
+            await asyncio.wait({slot, abort}, return_when=asyncio.FIRST_COMPLETED)
+            if not slot.done():
+                slot.cancel()
+                raise StepAborted()
+            try:
+                self._check_abort(sample)
+                work = in_thread(fn, *args)
+                done, _ = await asyncio.wait({work, abort}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if work in done:
+                    return work.result()
+                work.add_done_callback(_consume)  # its result (or error) arrives after nobody waits
+                if abort in done:
+                    raise StepAborted()
+                raise asyncio.TimeoutError()
+            finally:
+                self.slots.release()
+        finally:
+            abort.cancel()
+
+    def _check_abort(self, sample: Sample) -> None:
+        if sample.uid in self.aborting:
+            raise StepAborted()
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,76 @@
+"""Environments of the tests' own (tests/test_agents.py), named in configs as `tests.agent_envs:Class`,
+the way a user names theirs. A module of its own so the class the runner imports and the one the test
+holds (with its events) are the same object."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from actors.agents.env import Step
+from async_april.tasks.reverse_turns import ReverseTurnsEnv
+
+STEP_NOTE = "not an environment: a module attribute that is no class"
+
+
+class SlowReverseEnv(ReverseTurnsEnv):
+    """The built-in task with a tool that takes STEP_S per call."""
+
+    STEP_S = 0.05
+
+    def step(self, state, turn_ids):
+        time.sleep(self.STEP_S)
+        return super().step(state, turn_ids)
+
+
+class GatedReverseEnv(ReverseTurnsEnv):
+    """Each step announces itself (`entered`) and waits for `release`: the test decides where an abort lands."""
+
+    entered = threading.Event()
+    release = threading.Event()
+
+    def step(self, state, turn_ids):
+        type(self).entered.set()
+        assert type(self).release.wait(30), "the test never released the step"
+        return super().step(state, turn_ids)
+
+
+class HangingToolEnv(ReverseTurnsEnv):
+    """The tool hangs (until `unblock`) for prompts whose first chunk starts with '0'; on_failure ends the
+    episode with a marker reward so the test can tell a timeout from a normal end."""
+
+    unblock = threading.Event()
+
+    def step(self, state, turn_ids):
+        if state["chunks"][0].startswith("0"):
+            type(self).unblock.wait(60)
+        return super().step(state, turn_ids)
+
+    def on_failure(self, state, turn_ids, error):
+        assert "timed out" in error
+        return Step(np.zeros(0, np.int64), -1.0, True, state)
+
+
+class NotAnEnv:
+    pass
+
+
+class ChattyEnv(ReverseTurnsEnv):
+    """Observations longer than any sensible limit after the first turn; a step raises on the third turn;
+    on_failure records what it was told and ends nothing (the limits must)."""
+
+    errors: list[str] = []
+
+    def step(self, state, turn_ids):
+        if state["turn"] == 2:
+            raise RuntimeError("tool crashed")
+        out = super().step(state, turn_ids)
+        if state["turn"] == 1:
+            out.observation_ids = np.concatenate([out.observation_ids] * 10)
+        return out
+
+    def on_failure(self, state, turn_ids, error):
+        type(self).errors.append(error)
+        return Step(np.array([5, 6, 14]), 0.0, False, dict(state, turn=state["turn"] + 1))
