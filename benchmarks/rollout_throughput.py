@@ -217,7 +217,7 @@ def bench_multiturn(steps: int, tmp: Path) -> list[dict]:
         progress(f"simulated/multi-turn: {mode}")
         rows = run(cfg, learner_factory=lambda *_: SimulatedLearner(step_s=30.0, time_scale=scale))
         s = summarize(rows, warmup=2)
-        s["utilisation"] = float("nan")  # no steady-state ceiling: tool time is not engine time
+        s["utilisation"] = None  # no steady-state ceiling: tool time is not engine time
         s["turns_mean"] = statistics.mean(r["rollout/turns_mean"] for r in rows[2:])
         s["tool_steps"] = rows[-1].get("agent/steps", 0.0)
         out.append({"engine": "simulated", "workload": "multi-turn", "mode": mode, **s, "tool": MULTI_TURN_TOOL})
@@ -300,13 +300,17 @@ def add_ratios(results: list[dict]) -> None:
         r["useful_tokens_per_s_vs_sync"] = r["useful_tokens_per_s"] / sync["useful_tokens_per_s"]
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def table(results: list[dict]) -> str:
     head = (f"{'engine':<10}{'workload':<14}{'mode':<7}{'useful tok/s':>13}{'x sync':>8}{'idle':>7}{'util':>7}{'stale':>6}"
             f"{'wasted':>8}{'aborted':>9}{'discarded':>10}")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(f"{r['engine']:<10}{r['workload']:<14}{r['mode']:<7}{r['useful_tokens_per_s']:>13.0f}"
-                     f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{r['utilisation']:>7.2f}{r['staleness_max']:>6}"
+                     f"{r['useful_tokens_per_s_vs_sync']:>8.2f}{r['engine_idle_frac']:>7.2f}{_fmt(r['utilisation']):>7}{r['staleness_max']:>6}"
                      f"{r['wasted_frac']:>8.1%}{r['aborted_tokens']:>9}{r['aborted_tokens_discarded']:>10}")
     return "\n".join(lines)
 
