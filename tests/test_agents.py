@@ -568,3 +568,43 @@ def test_turn_observation_and_token_limits(model_dir, tokenizer, limit):
         assert actor.agent.metrics()["agent/step_failures"] == 2
     else:
         assert s.turns < 4  # max_turns=50 and four chunks: only the token budget can have ended it
+
+
+# ------------------------------------------------------------------------- over the SGLang client
+
+
+def test_a_multi_turn_episode_runs_the_same_through_the_sglang_client(model_dir, tokenizer):
+    """The turn loop over the real SGLang HTTP client against the SGLang STAND-IN (tests/sglang_standin.py,
+    backed by the torch engine; a real server needs a GPU): one request per turn, ids in and out, gives
+    the same episode, token for token, as the torch engine in process, with the same masks and turns."""
+    pytest.importorskip("aiohttp", reason="the SGLang client and its stand-in server need aiohttp")
+    from actors.engines.sglang_engine import SGLangEngine
+    from actors.generation import GenerationActor
+    from tests.sglang_standin import StandinServer
+
+    cfg = make_cfg(model_dir, "builtin:reverse_turns", "rollout.agent.max_turn_tokens=24", "rollout.max_new_tokens=100")
+    row = turn_rows(tokenizer, 8, seed=11)[2]
+    srv = StandinServer(model_dir, max_running=8)
+    srv.start()
+
+    async def episode(actor):
+        await actor.start()
+        try:
+            s = fresh_sample(row)
+            await actor.agent.run(s, env_row(actor, s))
+            return s
+        finally:
+            await actor.engine.shutdown()
+
+    try:
+        over_http = asyncio.run(episode(GenerationActor(cfg, "gen0", None, model_dir, engine=SGLangEngine(url=srv.url, retries=1))))
+        requests = list(srv.state.requests)
+    finally:
+        srv.stop()
+    in_process = asyncio.run(episode(make_actor(cfg, model_dir)))
+    assert over_http.done and over_http.turns >= 2 and len(requests) == over_http.turns  # one /generate per turn
+    assert requests[1]["input_ids"][: len(row.prompt_ids)] == list(row.prompt_ids)  # the whole context, as ids
+    np.testing.assert_array_equal(over_http.response_ids, in_process.response_ids)
+    np.testing.assert_array_equal(over_http.loss_mask, in_process.loss_mask)
+    assert (over_http.turns, over_http.env_reward) == (in_process.turns, in_process.env_reward)
+    np.testing.assert_allclose(over_http.behavior_logprobs, in_process.behavior_logprobs, atol=1e-4)
