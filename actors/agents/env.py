@@ -26,7 +26,6 @@ limit goes to `on_failure`, which chooses what the model sees next.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from async_april.errors import UserError
+from async_april.import_path import import_object
 
 REGISTRY: dict[str, str] = {
     "builtin:reverse_turns": "async_april.tasks.reverse_turns:ReverseTurnsEnv",
@@ -114,22 +114,10 @@ def load_env_class(spec: str) -> type:
     if spec.startswith("builtin:") and spec not in REGISTRY:
         raise EnvSpecError(f"rollout.env {spec!r} is not a built-in environment ({', '.join(sorted(REGISTRY))}); "
                            "give one of those or an import path 'module:Class'")
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr or ":" in attr:
+    if ":" not in path:
         raise EnvSpecError(f"rollout.env {spec!r}: give an import path 'module:Class' or a built-in ({', '.join(sorted(REGISTRY))})")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EnvSpecError(f"rollout.env {spec!r}: cannot import module {module_name} ({exc}); check the name and that "
-                           "the module is on PYTHONPATH (the job's working_dir on a cluster)") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing; say where
-        raise EnvSpecError(f"rollout.env {spec!r}: importing module {module_name} raised {type(exc).__name__}: {exc}; "
-                           "fix that module") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise EnvSpecError(f"rollout.env {spec!r}: module {module_name} has no attribute {attr}; check the class name after the ':'")
-        obj = getattr(obj, part)
+    obj = import_object(path, f"rollout.env {spec!r}", "Class", EnvSpecError)
+    module_name, _, attr = path.partition(":")
     if not inspect.isclass(obj):
         raise EnvSpecError(f"rollout.env {spec!r}: {module_name}:{attr} is a {type(obj).__name__}, not a class")
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]

@@ -8,11 +8,11 @@ other dataset columns; rewards must ignore keys they do not know.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
 from async_april.errors import UserError
+from async_april.import_path import import_object
 
 RewardFn = Callable[..., float]
 
@@ -32,23 +32,8 @@ REGISTRY: dict[str, str] = {
 
 
 def _import_reward(spec: str, path: str) -> RewardFn:
+    fn = import_object(path, f"reward {spec!r}", "function", RewardSpecError)
     module_name, _, attr = path.partition(":")
-    if not module_name or not attr or ":" in attr:
-        raise RewardSpecError(f"reward {spec!r}: an import path must look like 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardSpecError(f"reward {spec!r}: cannot import module {module_name} ({exc}); check the name "
-                              "and that the module is on PYTHONPATH (the job's working_dir on a cluster)") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing; say where
-        raise RewardSpecError(f"reward {spec!r}: importing module {module_name} raised {type(exc).__name__}: {exc}; "
-                              "fix that module") from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise RewardSpecError(f"reward {spec!r}: module {module_name} has no attribute {attr}; "
-                                  "check the function name after the ':'")
-        fn = getattr(fn, part)
     if not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {module_name}:{attr} is a {type(fn).__name__}, not a function")
     return fn
