@@ -15,11 +15,13 @@ Backends: `engines/torch_engine.py` (built-in, continuous batching, CPU/CUDA),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 if TYPE_CHECKING:
+    import asyncio
+
     import torch
 
 
@@ -134,3 +136,14 @@ class Engine(Protocol):
 
     async def shutdown(self) -> None:
         ...
+
+
+def settle_future(fut: "asyncio.Future", value: Any, exc: BaseException | None) -> None:
+    """Resolve `fut` with `value` or `exc` unless it is already done (cancelled by a timeout or an abort).
+    Call it on the future's own loop (`loop.call_soon_threadsafe`) from the thread that did the work."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)

@@ -288,7 +288,7 @@ class GenerationActor:
             load = partial(self.engine.update_weights_in_flight, iter_buckets(payload), version)
         else:
             load = partial(self.engine.update_weights, iter_buckets(payload), version)
-        return await (self._load_in_flight if in_flight else self._load)(load)
+        return await self._load(load)
 
     async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:
         """NCCL transport (GPU, SGLang engine): join the learner's broadcast group."""
@@ -302,29 +302,26 @@ class GenerationActor:
 
         announced = [([s.name for s in b], [s.dtype for s in b], [list(s.shape) for s in b]) for b in plan]
         in_flight = self.cfg.rollout.on_weight_update == "continue"
-        load = partial(self.engine.update_weights_from_distributed, announced, version, in_flight=in_flight)
-        return await (self._load_in_flight if in_flight else self._load)(load)
+        return await self._load(partial(self.engine.update_weights_from_distributed, announced, version, in_flight=in_flight))
 
     async def _load(self, load) -> float:
-        """Interrupt or drain per config, load, reopen leasing."""
+        """Per rollout.on_weight_update: `continue` loads at once (nothing is aborted or awaited, leasing
+        stays open; the engine applies the weights between two decode steps and the requests in flight
+        go on with their KV cache); `interrupt` and `drain` close leasing, abort or finish what is in
+        flight, load, and reopen. Returns the seconds spent."""
         t0 = time.perf_counter()
-        self._close()
-        try:
-            if self.cfg.rollout.on_weight_update == "interrupt":
-                while self.inflight:  # a lease on its way when leasing closed lands at most once more
-                    await self._abort_inflight()
-            await self._settle()
+        if self.cfg.rollout.on_weight_update == "continue":
             await load()
-        finally:
-            self._reopen()
-        self.weight_load_s = time.perf_counter() - t0
-        return self.weight_load_s
-
-    async def _load_in_flight(self, load) -> float:
-        """`continue`: nothing is aborted or awaited and leasing stays open; the engine applies the
-        weights between two decode steps and the requests in flight go on with their KV cache."""
-        t0 = time.perf_counter()
-        await load()
+        else:
+            self._close()
+            try:
+                if self.cfg.rollout.on_weight_update == "interrupt":
+                    while self.inflight:  # a lease on its way when leasing closed lands at most once more
+                        await self._abort_inflight()
+                await self._settle()
+                await load()
+            finally:
+                self._reopen()
         self.weight_load_s = time.perf_counter() - t0
         return self.weight_load_s
 

@@ -80,6 +80,17 @@ def fresh_sample(row: PromptRow, index=0) -> Sample:
     return Sample(prompt_index=index, sample_index=0, prompt_ids=np.asarray(row.prompt_ids, np.int64), answer=row.answer)
 
 
+async def run_episode(actor, row: PromptRow) -> Sample:
+    """Start the actor's engine, run one fresh episode of `row` through its turn loop, shut the engine down."""
+    await actor.start()
+    try:
+        s = fresh_sample(row)
+        await actor.agent.run(s, env_row(actor, s))
+        return s
+    finally:
+        await actor.engine.shutdown()
+
+
 def env_row(actor, s: Sample) -> EnvRow:
     from actors.generation import sampling_seed
 
@@ -549,16 +560,7 @@ def test_turn_observation_and_token_limits(model_dir, tokenizer, limit):
     actor = make_actor(cfg, model_dir)
     row = next(r for r in turn_rows(tokenizer, 32, seed=4) if len(r.answer.split(",")) == 4)
 
-    async def go():
-        await actor.start()
-        try:
-            s = fresh_sample(row)
-            await actor.agent.run(s, env_row(actor, s))
-            return s
-        finally:
-            await actor.engine.shutdown()
-
-    s = asyncio.run(go())
+    s = asyncio.run(run_episode(actor, row))
     assert s.finish_reason == "length" and s.num_tokens <= cfg.rollout.max_new_tokens
     runs = np.split(s.model_mask, np.flatnonzero(np.diff(s.model_mask.astype(int))) + 1)
     assert all(len(r) <= 12 for r in runs if not r[0]), "an observation over the limit was appended"
@@ -587,21 +589,12 @@ def test_a_multi_turn_episode_runs_the_same_through_the_sglang_client(model_dir,
     srv = StandinServer(model_dir, max_running=8)
     srv.start()
 
-    async def episode(actor):
-        await actor.start()
-        try:
-            s = fresh_sample(row)
-            await actor.agent.run(s, env_row(actor, s))
-            return s
-        finally:
-            await actor.engine.shutdown()
-
     try:
-        over_http = asyncio.run(episode(GenerationActor(cfg, "gen0", None, model_dir, engine=SGLangEngine(url=srv.url, retries=1))))
+        over_http = asyncio.run(run_episode(GenerationActor(cfg, "gen0", None, model_dir, engine=SGLangEngine(url=srv.url, retries=1)), row))
         requests = list(srv.state.requests)
     finally:
         srv.stop()
-    in_process = asyncio.run(episode(make_actor(cfg, model_dir)))
+    in_process = asyncio.run(run_episode(make_actor(cfg, model_dir), row))
     assert over_http.done and over_http.turns >= 2 and len(requests) == over_http.turns  # one /generate per turn
     assert requests[1]["input_ids"][: len(row.prompt_ids)] == list(row.prompt_ids)  # the whole context, as ids
     np.testing.assert_array_equal(over_http.response_ids, in_process.response_ids)

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from actors.agents.env import EnvRow, Step, on_failure
+from actors.engine import settle_future
 from async_april.config import Config
 from async_april.trajectory import Sample
 
@@ -46,21 +47,13 @@ def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-
     def target() -> None:
         try:
             value, exc = fn(*args), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             value, exc = None, e
         try:
-            loop.call_soon_threadsafe(settle, value, exc)
+            loop.call_soon_threadsafe(settle_future, fut, value, exc)
         except RuntimeError:  # the loop closed while a timed-out step was still running
             pass
 

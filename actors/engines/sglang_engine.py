@@ -332,7 +332,10 @@ class SGLangEngine:
     async def _update_gate(self, session: bool, in_flight: bool = False):
         """Pause so no request decodes between buckets; open a weight-update session for tensor/distributed
         loads; always close it and continue afterwards. `retract` (after an abort or drain) lets the final
-        flush run; `in_place` (in_flight) keeps the running requests and their KV cache for after the load."""
+        flush run; `in_place` (in_flight) keeps the running requests and their KV cache for after the load.
+        Without in_flight, what this client still has running is aborted first (callers abort or drain anyway)."""
+        if self._inflight and not in_flight:
+            await self.abort_all()
         await self._post_ok("/pause_generation", {"mode": "in_place" if in_flight else "retract"})
         opened = False
         try:
@@ -373,8 +376,6 @@ class SGLangEngine:
             raise SGLangError("weight_update_mode=disk: call update_weights_from_disk(model_path, version)")
         if self.weight_update_mode == "distributed":
             raise SGLangError("weight_update_mode=distributed: call update_weights_from_distributed(...) per bucket")
-        if self._inflight and not in_flight:
-            await self.abort_all()
         buckets = list(buckets)
         async with self._update_gate(session=True, in_flight=in_flight):
             for i, bucket in enumerate(buckets):
@@ -389,8 +390,6 @@ class SGLangEngine:
 
     async def update_weights_from_disk(self, model_path: str, version: int, in_flight: bool = False) -> None:
         """The server reads the safetensors files itself; `in_flight` as in `update_weights_in_flight`."""
-        if self._inflight and not in_flight:
-            await self.abort_all()
         async with self._update_gate(session=False, in_flight=in_flight):  # disk loads need no session (weight_updater.py)
             await self._post_ok("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version),
                                                               "flush_cache": not in_flight})
@@ -410,8 +409,6 @@ class SGLangEngine:
         """Step 2: inside one gated session, announce each bucket (names, dtypes, shapes) while the
         learner broadcasts it over the group; the last bucket carries `version` (and the flush, unless
         `in_flight` as in `update_weights_in_flight`)."""
-        if self._inflight and not in_flight:
-            await self.abort_all()
         async with self._update_gate(session=True, in_flight=in_flight):
             for i, (names, dtypes, shapes) in enumerate(plan):
                 last = i == len(plan) - 1

@@ -43,7 +43,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket
+from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket, settle_future
 
 ADMIT_EVERY_STEPS = 4
 """While rows are running, waiting requests wait at most this many decode steps to be prefilled,
@@ -250,9 +250,9 @@ class TorchEngine:
                     self._update(*val)
                 elif kind == "pause":
                     self._paused = val
-                loop.call_soon_threadsafe(_resolve, fut, out, None)
+                loop.call_soon_threadsafe(settle_future, fut, out, None)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
-                loop.call_soon_threadsafe(_resolve, fut, None, e)
+                loop.call_soon_threadsafe(settle_future, fut, None, e)
 
     def _abort(self, hit) -> None:
         for r in self._running + self._waiting:
@@ -450,16 +450,7 @@ class TorchEngine:
             finish_reason=reason,  # type: ignore[arg-type]
             prompt_tokens=len(r.req.input_ids),
         )
-        r.loop.call_soon_threadsafe(_resolve, r.fut, res, None)
-
-
-def _resolve(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(value)
+        r.loop.call_soon_threadsafe(settle_future, r.fut, res, None)
 
 
 def _lpad(x: torch.Tensor, T: int, dim: int = 2) -> torch.Tensor:
