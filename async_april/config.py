@@ -151,7 +151,7 @@ class AgentConfig(Section):
     """Multi-turn rollouts with an environment (`rollout.env`); see docs/agents.md."""
 
     env_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the environment's constructor (it is called as `Class(tokenizer=..., **env_args)`); plain data only."""
+    """Keyword arguments for the environment's constructor (it is called as `Class(tokenizer=..., **env_args)`; an agent loop reads them as `ctx.args`); plain data only."""
     max_turns: int = Field(8, ge=1, le=10_000)
     """Most model turns per response; a response that reaches it without the environment saying done ends with reason `length`."""
     max_turn_tokens: int | None = Field(None, ge=1)
@@ -209,7 +209,7 @@ class RolloutConfig(Section):
     simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
     """Simulated engine: real seconds per simulated second (0.01 runs 100x faster than the modelled GPU)."""
     env: str | None = None
-    """Multi-turn rollouts: the environment class, `module:Class` (runs that code) or a built-in (`builtin:reverse_turns`, `builtin:simulated_tool`, `builtin:calculator`); None: single-turn. With an environment the response interleaves model turns and environment observations (loss mask 0), and the sample's reward is the sum of the environment's step rewards (`reward.functions` are not used). See docs/agents.md."""
+    """Multi-turn rollouts: the environment class, `module:Class` (runs that code), an agent loop `module:function` (`async def loop(ctx, row)`, actors/agents/loop.py) or a built-in (`builtin:reverse_turns`, `builtin:simulated_tool`, `builtin:calculator`); None: single-turn. With an environment the response interleaves model turns and environment observations (loss mask 0), and the sample's reward is the sum of the environment's step rewards (an agent loop's: what it adds and returns) (`reward.functions` are not used). See docs/agents.md."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """Turn, token, timeout and concurrency limits of multi-turn rollouts (used only with `env`)."""
 

@@ -74,3 +74,63 @@ class ChattyEnv(ReverseTurnsEnv):
     def on_failure(self, state, turn_ids, error):
         type(self).errors.append(error)
         return Step(np.array([5, 6, 14]), 0.0, False, dict(state, turn=state["turn"] + 1))
+
+
+# ------------------------------------------------------------------ agent loops (module:function)
+
+
+async def reverse_turns_loop(ctx, row):
+    """The built-in reverse_turns task written as an agent loop: the episodes of ReverseTurnsEnv."""
+    from async_april.rewards.reverse import reverse_match
+
+    chunks = row.answer.split(",")
+    for i, chunk in enumerate(chunks):
+        turn = await ctx.generate()
+        ctx.add_reward(reverse_match("", ctx.decode(turn), chunk[::-1]) / len(chunks))
+        if i + 1 < len(chunks):
+            ctx.observe(ctx.tokenizer(chunks[i + 1] + "=", add_special_tokens=False)["input_ids"])
+    return 0.0
+
+
+class GatedLookup:
+    """A tool the test holds: each run announces itself (`entered`), waits for `release`, and is counted."""
+
+    entered = threading.Event()
+    release = threading.Event()
+    runs: list[str] = []
+
+    @classmethod
+    def reversed_chunk(cls, chunk: str) -> str:
+        cls.runs.append(chunk)
+        cls.entered.set()
+        assert cls.release.wait(30), "the test never released the tool"
+        return chunk[::-1]
+
+
+async def gated_tool_loop(ctx, row):
+    """reverse_turns whose scoring asks a (gated, counted) tool for the reversed chunk; the reward comes at the end."""
+    from async_april.rewards.reverse import reverse_match
+
+    chunks, score = row.answer.split(","), 0.0
+    for i, chunk in enumerate(chunks):
+        turn = await ctx.generate()
+        want = await ctx.call(GatedLookup.reversed_chunk, chunk)
+        score += reverse_match("", ctx.decode(turn), want) / len(chunks)
+        if i + 1 < len(chunks):
+            ctx.observe(ctx.tokenizer(chunks[i + 1] + "=", add_special_tokens=False)["input_ids"])
+    return score
+
+
+async def unseeded_loop(ctx, row):
+    """Observes ids drawn without the row's seed: its replay cannot repeat its record."""
+    while True:
+        await ctx.generate()
+        ctx.observe(np.random.default_rng().integers(4, 14, size=3))
+
+
+def plain_loop(ctx, row):
+    return 0.0
+
+
+async def one_argument_loop(ctx):
+    return 0.0

@@ -9,6 +9,7 @@ its tokens; a tool that hangs does not hold the other rollouts up.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 import numpy as np
@@ -56,7 +57,7 @@ class LocalStore:
     calls), in this process; every push is recorded."""
 
     def __init__(self, store: RolloutStore):
-        self.store, self.pushes = store, []
+        self.store, self.pushes, self.early_pushes = store, [], []
         self.lease_async = type("R", (), {"remote": staticmethod(self._lease)})()
         self.push_async = type("R", (), {"remote": staticmethod(self._push)})()
 
@@ -66,7 +67,7 @@ class LocalStore:
     async def _push(self, actor_id, samples, early_stop=False):
         import copy
 
-        self.pushes.append(copy.deepcopy(samples))
+        (self.early_pushes if early_stop else self.pushes).append(copy.deepcopy(samples))
         self.store.push(actor_id, samples, early_stop=early_stop)
 
 
@@ -189,6 +190,26 @@ def test_environment_tokens_get_zero_gradient_and_count_in_no_normaliser(model_d
 # -------------------------------------------------------- provenance across forced interruptions
 
 
+def run_actor_during(actor, store: LocalStore, control, groups: int) -> None:
+    """Run the generation actor's own loop while `control()` (a coroutine function) acts on it, then
+    until the store holds `groups` complete groups (60 s at most); stop the actor and its engine."""
+
+    async def go():
+        await actor.start()
+        loop = asyncio.create_task(actor.run())
+        try:
+            await control()
+            t0 = time.monotonic()
+            while len(store.store.completed) < groups and time.monotonic() - t0 < 60:
+                await asyncio.sleep(0.05)
+        finally:
+            await actor.stop()
+            loop.cancel()
+            await actor.engine.shutdown()
+
+    asyncio.run(go())
+
+
 def _perturbed(state: dict, version: int) -> dict:
     """New weights for `version`; tied tensors (embedding and lm_head) stay one tensor."""
     g = torch.Generator().manual_seed(version)
@@ -225,24 +246,14 @@ def test_every_model_token_keeps_its_logprob_and_version_across_interruptions(mo
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     weights = {0: base}
 
-    async def drive():
-        await actor.start()
-        loop = asyncio.create_task(actor.run())
+    async def interrupts():
         rng = np.random.default_rng(1)
-        try:
-            for v in range(1, 9):
-                await asyncio.sleep(float(rng.uniform(0.01, 0.07)))
-                weights[v] = _perturbed(base, v)
-                await actor.update_weights(_write_weights(tmp_path / "w", weights[v], v), v)
-            t0 = time.monotonic()
-            while len(store.store.completed) < 4 and time.monotonic() - t0 < 60:
-                await asyncio.sleep(0.05)
-        finally:
-            await actor.stop()
-            loop.cancel()
-            await actor.engine.shutdown()
+        for v in range(1, 9):
+            await asyncio.sleep(float(rng.uniform(0.01, 0.07)))
+            weights[v] = _perturbed(base, v)
+            await actor.update_weights(_write_weights(tmp_path / "w", weights[v], v), v)
 
-    asyncio.run(drive())
+    run_actor_during(actor, store, interrupts, groups=4)
     pushed = [s for batch in store.pushes for s in batch]
     between = [s for s in pushed if s.finish_reason == "abort" and s.env_pending]
     mid_turn = [s for s in pushed if s.finish_reason == "abort" and not s.env_pending and s.num_tokens > s.turn_start]
@@ -268,6 +279,111 @@ def test_every_model_token_keeps_its_logprob_and_version_across_interruptions(mo
             checked += int(sel.sum())
     assert checked == sum(int(s.model_mask.sum()) for s in done)
     assert len({int(v) for s in done for v in s.model_versions}) > 1, "no response spans several versions"
+
+
+def replayed_logprobs(models: dict, input_ids, output_ids, versions) -> np.ndarray:
+    """What the torch engine computes for one request, replayed token by token: the input is prefilled
+    by the weights of the first output token's version, and each later output token comes from
+    feeding the one before it through the weights of its own version on top of the cache so far (an
+    in-flight load, `continue`, changes the weights between two tokens and keeps the cache)."""
+    from transformers import DynamicCache
+
+    first = models[int(versions[0])]
+    kw = "cache" if "cache" in inspect.signature(first.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=first.config)
+    out = []
+    with torch.no_grad():
+        logits = first(torch.as_tensor(np.asarray(input_ids), dtype=torch.long)[None], use_cache=True, **{kw: cache}).logits
+        for i, tok in enumerate(output_ids):
+            if i:
+                fed = torch.tensor([[int(output_ids[i - 1])]])
+                logits = models[int(versions[i])](fed, use_cache=True, **{kw: cache}).logits
+            out.append(float(torch.log_softmax(logits[0, -1].float(), -1)[int(tok)]))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("policy", ["interrupt", "continue"])
+def test_early_stops_and_loads_across_turns_keep_every_tokens_provenance(model_dir, tokenizer, tmp_path, policy):
+    """APRIL early stops land inside model turns and inside environment steps, and weights load with
+    on_weight_update=interrupt or continue (with continue a load lands inside a model turn and the turn
+    goes on over the cache the old weights computed). Every engine request's logprobs equal a replay
+    of the engine's own forwards (1e-4), and every trajectory that completes carries, for its model
+    tokens, exactly the tokens, logprobs and versions its requests returned, in order, across its
+    resumes; the early-stopped partials come back only under newer weights."""
+    from transformers import AutoModelForCausalLM
+
+    # 12 groups may start (max_staleness 2, over_provision 3 at learner version 0): fresh work is
+    # there to lease while an early stop's partials wait for newer weights.
+    cfg = make_cfg(model_dir, "tests.agent_envs:SlowReverseEnv", f"rollout.on_weight_update={policy}",
+                   "rollout.batch_groups=4", "async.max_staleness=2", "rollout.over_provision=3")
+    store = LocalStore(RolloutStore(cfg, PromptDataset(rows=turn_rows(tokenizer, 16), seed=0)))
+    actor = make_actor(cfg, model_dir, store)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    weights = {0: base}
+    requests: list[tuple[str, np.ndarray, object]] = []  # (sample uid, input ids, engine result), in order
+    generate = actor.engine.generate
+
+    async def recorded(req):  # the real engine's generate, its requests and results kept for the replay
+        res = await generate(req)
+        requests.append((req.request_id.split("/")[1], np.asarray(req.input_ids), res))
+        return res
+
+    actor.engine.generate = recorded
+
+    async def decoding():  # until the engine has sampled two more tokens (or 2 s without any)
+        before, t0 = actor.engine.stats().generated_tokens, time.monotonic()
+        while actor.engine.stats().generated_tokens < before + 2 and time.monotonic() - t0 < 2:
+            await asyncio.sleep(0.001)
+
+    async def load(v):
+        weights[v] = _perturbed(base, v)
+        await actor.update_weights(_write_weights(tmp_path / "w", weights[v], v), v)
+
+    async def early_stops_and_loads():
+        rng = np.random.default_rng(2)
+        for v in range(1, 9):
+            await decoding()  # with continue, the load lands inside a model turn
+            await load(v)
+            await asyncio.sleep(float(rng.uniform(0.02, 0.08)))
+            await actor.early_stop()  # its partials wait for the next load
+        await load(9)
+
+    run_actor_during(actor, store, early_stops_and_loads, groups=12)
+    early = [s for batch in store.early_pushes for s in batch]
+    between = [s for s in early if s.env_pending]
+    mid_turn = [s for s in early if not s.env_pending and s.num_tokens > s.turn_start]
+    assert between and mid_turn, f"early stops landed {len(between)} times between turns and {len(mid_turn)} times mid-turn"
+    spanning = [res for _, _, res in requests if len(set(res.versions)) > 1]
+    if policy == "continue":
+        assert spanning, "no load landed inside a model turn"
+    else:
+        assert not spanning, "interrupt let a request run across a load"
+
+    models = {}
+    for v, state in weights.items():
+        models[v] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[v].load_state_dict(state)
+        models[v].eval()
+    for _, input_ids, res in requests:
+        if len(res.output_ids):
+            np.testing.assert_allclose(res.logprobs, replayed_logprobs(models, input_ids, res.output_ids, res.versions), atol=1e-4)
+
+    done = [s for g in store.store.completed for s in g.samples]
+    assert len(done) == 24 and all(s.done for s in done) and not store.store.partials
+    assert sum(s.num_resumes > 0 for s in done) >= 4
+    for s in done:
+        mine = [res for uid, _, res in requests if uid == s.uid]
+        mask = s.model_mask
+        np.testing.assert_array_equal(s.response_ids[mask], np.concatenate([r.output_ids for r in mine]))
+        np.testing.assert_array_equal(s.behavior_logprobs[mask], np.concatenate([r.logprobs for r in mine]))
+        np.testing.assert_array_equal(s.versions[mask], np.concatenate([r.versions for r in mine]))
+        assert s.turns >= 1 and (~mask).any() and np.all(s.behavior_logprobs[~mask] == 0)
+    assert len({int(v) for s in done for v in s.model_versions}) > 1, "no response spans several versions"
+    final = {s.uid: s for s in done}
+    for p in early:  # resumed only under newer weights: the first model token after the cut is newer
+        k = p.num_model_tokens
+        if 0 < k < final[p.uid].num_model_tokens:  # (a step that ended the episode adds no model token)
+            assert final[p.uid].model_versions[k] > p.model_versions.max()
 
 
 # ------------------------------------------------------------------- resume equals uninterrupted
@@ -601,3 +717,98 @@ def test_a_multi_turn_episode_runs_the_same_through_the_sglang_client(model_dir,
     np.testing.assert_array_equal(over_http.loss_mask, in_process.loss_mask)
     assert (over_http.turns, over_http.env_reward) == (in_process.turns, in_process.env_reward)
     np.testing.assert_allclose(over_http.behavior_logprobs, in_process.behavior_logprobs, atol=1e-4)
+
+
+# ------------------------------------------------------------------ agent loops (module:function)
+
+
+def test_an_agent_loop_gives_the_episodes_of_the_equivalent_environment(model_dir, tokenizer):
+    """`rollout.env: module:function`: the reverse_turns task written as an `async def loop(ctx, row)`
+    runs through the same turn loop, on the same engine and seeds, to the same episode, token for token
+    (sampled at T=1), with the same masks, turns and reward as the environment class."""
+    row = turn_rows(tokenizer, 8, seed=11)[2]
+    got = {}
+    for env in ("builtin:reverse_turns", "tests.agent_envs:reverse_turns_loop"):
+        cfg = make_cfg(model_dir, env, "rollout.agent.max_turn_tokens=24", "rollout.max_new_tokens=100")
+        got[env] = asyncio.run(run_episode(make_actor(cfg, model_dir), row))
+    a, b = got.values()
+    assert a.done and a.turns >= 2
+    np.testing.assert_array_equal(b.response_ids, a.response_ids)
+    np.testing.assert_array_equal(b.loss_mask, a.loss_mask)
+    np.testing.assert_array_equal(b.behavior_logprobs, a.behavior_logprobs)
+    assert (b.turns, b.finish_reason) == (a.turns, a.finish_reason)
+    assert b.env_reward == pytest.approx(a.env_reward, abs=1e-12)
+
+
+def test_an_agent_loop_resumes_from_its_record_and_never_reruns_a_finished_call(model_dir, tokenizer):
+    """An abort lands while the loop's tool call runs. The resume replays the loop over the recorded turns
+    and call results: the same episode as an uninterrupted run, the interrupted call run again, and no
+    finished call ever run twice (the uninterrupted run calls the tool once per turn, too)."""
+    from tests.agent_envs import GatedLookup
+
+    cfg = make_cfg(model_dir, "tests.agent_envs:gated_tool_loop", "rollout.agent.max_turn_tokens=24", "rollout.max_new_tokens=100")
+    actor = make_actor(cfg, model_dir)
+    row = turn_rows(tokenizer, 8, seed=11)[2]
+
+    async def go():
+        await actor.start()
+        try:
+            GatedLookup.release.set()
+            ref = fresh_sample(row)
+            await actor.agent.run(ref, env_row(actor, ref))
+            ref_runs = list(GatedLookup.runs)
+            GatedLookup.runs.clear()
+            GatedLookup.release.clear()
+            # Abort inside the second turn's tool call.
+            got = fresh_sample(row)
+            task = asyncio.create_task(actor.agent.run(got, env_row(actor, got)))
+            for _ in range(2):
+                GatedLookup.entered.clear()
+                await asyncio.to_thread(GatedLookup.entered.wait, 30)
+                if len(GatedLookup.runs) == 1:
+                    GatedLookup.release.set()
+                    await asyncio.sleep(0)
+                    GatedLookup.release.clear()
+            actor.aborting.add(got.uid)
+            actor.agent.abort([got.uid])
+            await task
+            actor.aborting.discard(got.uid)
+            assert got.finish_reason == "abort" and got.env_pending and got.turns == 1
+            GatedLookup.release.set()
+            got.num_resumes += 1
+            await actor.agent.run(got, env_row(actor, got))
+            return ref, ref_runs, got, list(GatedLookup.runs)
+        finally:
+            GatedLookup.release.set()
+            await actor.engine.shutdown()
+
+    ref, ref_runs, got, got_runs = asyncio.run(go())
+    chunks = row.answer.split(",")
+    assert ref.done and ref.turns == len(chunks) >= 3 and ref_runs == chunks
+    # The second chunk's call was cut and run again on resume; every other call ran once.
+    assert got_runs == [chunks[0], chunks[1], chunks[1], *chunks[2:]]
+    assert got.done and got.num_resumes == 1
+    np.testing.assert_array_equal(got.response_ids, ref.response_ids)
+    np.testing.assert_array_equal(got.loss_mask, ref.loss_mask)
+    assert (got.turns, got.finish_reason) == (ref.turns, ref.finish_reason)
+    assert got.env_reward == pytest.approx(ref.env_reward, abs=1e-12) and ref.env_reward > 0
+
+
+def test_an_agent_loop_that_is_not_deterministic_fails_its_step_saying_so(tokenizer):
+    from actors.agents.loop import LoopDiverged
+
+    env = make_env("tests.agent_envs:unseeded_loop", tokenizer, {})
+    row = EnvRow(prompt="1=", prompt_ids=np.array([1, 5, 14]), answer="1", extra={}, seed=0)
+    state = env.reset(row).state
+    state = env.step(state, np.array([5, 2])).state
+    with pytest.raises(LoopDiverged, match="deterministic"):
+        env.step(state, np.array([6, 2]))
+
+
+@pytest.mark.parametrize("name,message", [
+    ("tests.agent_envs:plain_loop", "async def loop"),
+    ("tests.agent_envs:one_argument_loop", "loop\\(ctx, row\\)"),
+])
+def test_agent_loop_names_that_cannot_work_say_what_to_fix(name, message):
+    with pytest.raises(EnvSpecError, match=message):
+        load_env_class(name)

@@ -275,15 +275,19 @@ def _model(model_dir, state):
     return _MODELS[id(state)]
 
 
-def test_in_flight_update_keeps_the_cache_and_records_the_engines_own_logprobs(model_dir, weights):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_in_flight_update_keeps_the_cache_and_records_the_engines_own_logprobs(model_dir, weights, device):
     """on_weight_update=continue: rows keep their KV cache across the load (nothing re-prefilled),
-    versions switch exactly at the load, and each logprob is the engine's forward over the mixed cache."""
+    versions switch exactly at the load, and each logprob is the engine's forward over the mixed cache
+    (replayed on CPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     rng = np.random.default_rng(5)
     reqs = [req(f"k{i}#", rng.integers(4, 14, size=int(rng.integers(2, 12))), int(rng.integers(80, 140)), seed=50 + i)
             for i in range(6)]
 
     async def main():
-        eng = TorchEngine(model_dir, max_running=4, max_batch_tokens=256, eos_token_ids=())
+        eng = TorchEngine(model_dir, device=device, max_running=4, max_batch_tokens=256, eos_token_ids=())
         await eng.start()
         try:
             async def one(i, r):

@@ -109,22 +109,41 @@ class Environment:
 
 
 def load_env_class(spec: str) -> type:
-    """The class named by `rollout.env`: a built-in name or `module:Class`; EnvSpecError saying what to fix."""
+    """The class named by `rollout.env`: a built-in name, `module:Class`, or `module:function` (an agent
+    loop, wrapped in its environment class); EnvSpecError saying what to fix."""
     path = REGISTRY.get(spec, spec)
     if spec.startswith("builtin:") and spec not in REGISTRY:
         raise EnvSpecError(f"rollout.env {spec!r} is not a built-in environment ({', '.join(sorted(REGISTRY))}); "
-                           "give one of those or an import path 'module:Class'")
+                           "give one of those or an import path 'module:Class' (or 'module:function' for an agent loop)")
     if ":" not in path:
-        raise EnvSpecError(f"rollout.env {spec!r}: give an import path 'module:Class' or a built-in ({', '.join(sorted(REGISTRY))})")
+        raise EnvSpecError(f"rollout.env {spec!r}: give an import path 'module:Class' ('module:function' for an agent loop) or a built-in ({', '.join(sorted(REGISTRY))})")
     obj = import_object(path, f"rollout.env {spec!r}", "Class", EnvSpecError)
     module_name, _, attr = path.partition(":")
+    if inspect.isfunction(obj):
+        return _agent_loop_class(spec, obj)
     if not inspect.isclass(obj):
-        raise EnvSpecError(f"rollout.env {spec!r}: {module_name}:{attr} is a {type(obj).__name__}, not a class")
+        raise EnvSpecError(f"rollout.env {spec!r}: {module_name}:{attr} is a {type(obj).__name__}, not a class "
+                           "or an agent loop function")
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
     if missing:
         raise EnvSpecError(f"rollout.env {spec!r}: class {attr} has no {' or '.join(missing)} method; "
                            "an environment needs reset(row) and step(state, turn_ids) (actors/agents/env.py)")
     return obj
+
+
+def _agent_loop_class(spec: str, fn) -> type:
+    """`module:function`: an agent loop, `async def fn(ctx, row)` (actors/agents/loop.py)."""
+    from actors.agents.loop import agent_loop_env
+
+    if not inspect.iscoroutinefunction(fn):
+        raise EnvSpecError(f"rollout.env {spec!r}: {fn.__qualname__} is a plain function; an agent loop is "
+                           "'async def loop(ctx, row)' that awaits ctx.generate() for each model turn (docs/agents.md)")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise EnvSpecError(f"rollout.env {spec!r}: {fn.__qualname__}{inspect.signature(fn)} cannot be called as "
+                           "loop(ctx, row); an agent loop takes exactly those two arguments") from None
+    return agent_loop_env(fn)
 
 
 def make_env(spec: str, tokenizer: Any, env_args: dict[str, Any]) -> Any:

@@ -1,0 +1,175 @@
+"""A user-written agent loop (`rollout.env: module:function`), run through the environment interface.
+
+    async def solve(ctx: AgentContext, row: EnvRow) -> float:
+        ctx.observe(system_ids)                       # before the first turn: extends the prompt
+        while True:
+            turn = await ctx.generate()               # the model's next turn, token ids
+            call = parse_tool_call(ctx.decode(turn))
+            if call is None:
+                return score(turn, row.answer)        # the response's reward
+            result = await ctx.call(run_tool, call)   # recorded: never run twice for one episode
+            ctx.observe(tool_message_ids(result))     # token ids, loss mask 0
+
+The loop reads like the verl/slime custom generate functions it replaces, but
+it never holds the engine: `ctx.generate()` does not call one. The runner
+(actors/agents/runner.py) owns generation, limits, aborts and resumes, and
+asks the loop for the next step through `AgentLoopEnv.step`, which replays
+the loop from the start with the turns recorded so far:
+
+- each `ctx.generate()` returns the next recorded turn; the first one past
+  the record ends the step (the model's turn is what comes next);
+- each `ctx.call(fn, ...)` returns the recorded result of that call, or runs
+  `fn` and records its result (plain data) when the replay reaches a call it
+  has not made before;
+- the observations and rewards produced after the newest turn are the step's.
+
+So the episode's whole state is plain data in the sample (the row, the
+turns, the call results), and an episode aborted anywhere (an early stop, a
+weight update, a checkpoint, another actor) resumes exactly as an
+environment's does: a call that was running when the abort came is run
+again, the finished ones are not. The price: the loop must be deterministic
+given the row, its turns and its call results (use `row.seed` for any
+randomness); a replay that diverges from its record raises, and the step
+fails with a message that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable
+
+import numpy as np
+
+from actors.agents.env import EnvRow, Reset, Step
+
+
+class _TurnNeeded(BaseException):
+    """The loop asked for a model turn past the recorded ones: this step is over. A BaseException,
+    so that a user's `except Exception` around `ctx.generate()` cannot swallow it."""
+
+
+class LoopDiverged(RuntimeError):
+    """The replay of an agent loop did not repeat its record: the loop is not deterministic."""
+
+
+class AgentContext:
+    """What an agent loop drives its episode with (see the module docstring)."""
+
+    def __init__(self, row: EnvRow, turns: list[list[int]], calls: list[list], tokenizer: Any, args: dict[str, Any]):
+        self.row = row
+        self.tokenizer = tokenizer
+        self.args = args
+        """`rollout.agent.env_args`, as given."""
+        self._turns = turns
+        self._calls = calls
+        self._next_turn = 0
+        self._next_call = 0
+        self.prompt_extra: list[int] = []
+        self.observations: list[list[int]] = [[] for _ in turns]
+        """Observation ids after each turn, in this replay."""
+        self.rewards: list[float] = [0.0 for _ in turns]
+
+    async def generate(self) -> np.ndarray:
+        """The model's next turn: the token ids it sampled, its stop token included."""
+        if self._next_turn == len(self._turns):
+            raise _TurnNeeded()
+        turn = self._turns[self._next_turn]
+        self._next_turn += 1
+        return np.asarray(turn, np.int64)
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` (a function or a coroutine function), run once per episode: a replay
+        returns the recorded result. The result must be plain data (it is kept in the sample and
+        checkpoints). The step's timeout (`rollout.agent.step_timeout_s`) covers the calls it makes."""
+        name = getattr(fn, "__qualname__", repr(fn))
+        i = self._next_call
+        self._next_call += 1
+        if i < len(self._calls):
+            recorded, result = self._calls[i]
+            if recorded != name:
+                raise LoopDiverged(f"agent loop replay: call #{i} was {recorded} and is now {name}; the loop must make the "
+                                   "same calls given the same row, turns and call results (seed randomness with row.seed)")
+            return result
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        self._calls.append([name, result])
+        return result
+
+    def observe(self, ids) -> None:
+        """Append token ids the model will see (loss mask 0). Before the first turn they extend the prompt."""
+        ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+        if self._next_turn == 0:
+            self.prompt_extra.extend(ids)
+        else:
+            self.observations[self._next_turn - 1].extend(ids)
+
+    def add_reward(self, reward: float) -> None:
+        """Reward for the episode so far (the response's reward is the sum, plus what the loop returns)."""
+        if self._next_turn == 0:
+            raise ValueError("agent loop: add_reward before the first ctx.generate(); a reward needs a model turn")
+        self.rewards[self._next_turn - 1] += float(reward)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=skip_special_tokens)
+
+
+class AgentLoopEnv:
+    """The environment the runner sees for an agent loop `fn(ctx, row)`; one per generation actor."""
+
+    loop: Callable[..., Any]
+
+    def __init__(self, tokenizer: Any = None, **env_args: Any) -> None:
+        self.tokenizer = tokenizer
+        self.env_args = env_args
+
+    def reset(self, row: EnvRow) -> Reset:
+        state = {"row": {"prompt": row.prompt, "prompt_ids": [int(t) for t in row.prompt_ids], "answer": row.answer,
+                         "extra": dict(row.extra), "seed": int(row.seed)},
+                 "turns": [], "calls": [], "observations": []}
+        ctx, finished = self._replay(state)
+        if finished:
+            raise ValueError(f"agent loop {self.loop.__qualname__} returned before its first ctx.generate(); "
+                             "an episode needs at least one model turn")
+        state["prompt_extra"] = ctx.prompt_extra
+        prompt = None if not ctx.prompt_extra else np.asarray(state["row"]["prompt_ids"] + ctx.prompt_extra, np.int64)
+        return Reset(state=state, prompt_ids=prompt)
+
+    def step(self, state: dict, turn_ids: np.ndarray) -> Step:
+        state = {**state, "turns": [*state["turns"], [int(t) for t in turn_ids]], "calls": [list(c) for c in state["calls"]]}
+        ctx, finished = self._replay(state)
+        new = len(state["turns"]) - 1
+        if ctx.prompt_extra != state["prompt_extra"]:
+            raise LoopDiverged("agent loop replay: the ids observed before the first turn differ from the ones recorded; "
+                               "the loop must be deterministic given its row, turns and call results")
+        for i, recorded in enumerate(state["observations"]):
+            if ctx.observations[i] != recorded:
+                raise LoopDiverged(f"agent loop replay: the observation after turn {i} differs from the one recorded; "
+                                   "the loop must be deterministic given its row, turns and call results")
+        state["calls"] = ctx._calls
+        state["observations"] = [*state["observations"], ctx.observations[new]]
+        reward = ctx.rewards[new] + (float(finished[0]) if finished and finished[0] is not None else 0.0)
+        return Step(np.asarray(ctx.observations[new], np.int64), reward, bool(finished), state)
+
+    def _replay(self, state: dict) -> tuple[AgentContext, tuple | None]:
+        """Run the loop from the start over the recorded turns; (ctx, (returned value,)) if it returned,
+        (ctx, None) if it asked for the next turn."""
+        r = state["row"]
+        row = EnvRow(prompt=r["prompt"], prompt_ids=np.asarray(r["prompt_ids"], np.int64), answer=r["answer"],
+                     extra=dict(r["extra"]), seed=int(r["seed"]))
+        ctx = AgentContext(row, state["turns"], state["calls"], self.tokenizer, self.env_args)
+
+        async def go():
+            try:
+                return (await self.loop(ctx, row),)
+            except _TurnNeeded:
+                return None
+
+        # The step runs in a thread of its own (the runner's), with no event loop: give the replay one.
+        return ctx, asyncio.run(go())
+
+
+def agent_loop_env(fn: Callable[..., Any]) -> type:
+    """The environment class for the agent loop `fn`."""
+    return type(f"AgentLoop[{fn.__qualname__}]", (AgentLoopEnv,), {"loop": staticmethod(fn), "__module__": __name__})
