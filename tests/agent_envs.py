@@ -134,3 +134,10 @@ def plain_loop(ctx, row):
 
 async def one_argument_loop(ctx):
     return 0.0
+
+
+async def object_result_loop(ctx, row):
+    """Its tool returns an object that no checkpoint can hold."""
+    await ctx.generate()
+    await ctx.call(lambda: {"answer": [1, object()]})
+    return 0.0

@@ -805,6 +805,13 @@ def test_an_agent_loop_that_is_not_deterministic_fails_its_step_saying_so(tokeni
         env.step(state, np.array([6, 2]))
 
 
+def test_an_agent_loop_call_must_return_plain_data(tokenizer):
+    env = make_env("tests.agent_envs:object_result_loop", tokenizer, {})
+    row = EnvRow(prompt="1=", prompt_ids=np.array([1, 5, 14]), answer="1", extra={}, seed=0)
+    with pytest.raises(TypeError, match=r"returned an object of type object at \['answer'\]\[1\]; .* plain data"):
+        env.step(env.reset(row).state, np.array([5, 2]))
+
+
 @pytest.mark.parametrize("name,message", [
     ("tests.agent_envs:plain_loop", "async def loop"),
     ("tests.agent_envs:one_argument_loop", "loop\\(ctx, row\\)"),

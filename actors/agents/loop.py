@@ -62,7 +62,8 @@ class AgentContext:
         self.args = args
         """`rollout.agent.env_args`, as given."""
         self._turns = turns
-        self._calls = calls
+        self.calls = calls
+        """[function name, result] of every call so far, this replay's new ones appended."""
         self._next_turn = 0
         self._next_call = 0
         self.prompt_extra: list[int] = []
@@ -85,8 +86,8 @@ class AgentContext:
         name = getattr(fn, "__qualname__", repr(fn))
         i = self._next_call
         self._next_call += 1
-        if i < len(self._calls):
-            recorded, result = self._calls[i]
+        if i < len(self.calls):
+            recorded, result = self.calls[i]
             if recorded != name:
                 raise LoopDiverged(f"agent loop replay: call #{i} was {recorded} and is now {name}; the loop must make the "
                                    "same calls given the same row, turns and call results (seed randomness with row.seed)")
@@ -94,7 +95,12 @@ class AgentContext:
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = await result
-        self._calls.append([name, result])
+        where = _not_plain(result)
+        if where is not None:
+            raise TypeError(f"agent loop: ctx.call({name}) returned {where}; a call's result is kept in the sample "
+                            "and its checkpoints, so return plain data (None, bool, int, float, str, lists, dicts, "
+                            "numpy arrays)")
+        self.calls.append([name, result])
         return result
 
     def observe(self, ids) -> None:
@@ -147,7 +153,7 @@ class AgentLoopEnv:
             if ctx.observations[i] != recorded:
                 raise LoopDiverged(f"agent loop replay: the observation after turn {i} differs from the one recorded; "
                                    "the loop must be deterministic given its row, turns and call results")
-        state["calls"] = ctx._calls
+        state["calls"] = ctx.calls
         state["observations"] = [*state["observations"], ctx.observations[new]]
         reward = ctx.rewards[new] + (float(finished[0]) if finished and finished[0] is not None else 0.0)
         return Step(np.asarray(ctx.observations[new], np.int64), reward, bool(finished), state)
@@ -168,6 +174,28 @@ class AgentLoopEnv:
 
         # The step runs in a thread of its own (the runner's), with no event loop: give the replay one.
         return ctx, asyncio.run(go())
+
+
+def _not_plain(value: Any) -> str | None:
+    """None if `value` is plain data; else what is not, and where (e.g. "an object of type Foo at [0]['x']")."""
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return "a numpy array of Python objects"
+    if value is None or isinstance(value, (bool, int, float, str, np.ndarray, np.generic)):
+        return None
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        bad_key = next((k for k in value if not isinstance(k, (str, int))), None)
+        if bad_key is not None:
+            return f"a dict key of type {type(bad_key).__name__}"
+        items = value.items()
+    else:
+        return f"an object of type {type(value).__name__}"
+    for k, v in items:
+        inner = _not_plain(v)
+        if inner is not None:
+            return f"{inner} at [{k!r}]" if " at " not in inner else inner.replace(" at ", f" at [{k!r}]", 1)
+    return None
 
 
 def agent_loop_env(fn: Callable[..., Any]) -> type:
