@@ -4,6 +4,9 @@
                                  + 1 greedy) through the engine, `eval.concurrency` in flight
                                  -> score (the run's reward functions) -> SetResult per set
 
+With `rollout.env` each response is an episode through the same turn loop and environment as
+training's (actors/agents/runner.py), scored by the environment's reward.
+
 It is a generation actor of its own kind: the same engines (`make_engine`), tokenizer and reward
 scorer as `GenerationActor`, but it never talks to the rollout store, so its samples cannot be
 trained or enter the store's accounting. Weights reach it only through `evaluate`, under a lock, so
@@ -25,8 +28,10 @@ import time
 import numpy as np
 
 from actors.engine import GenerateRequest, SamplingParams
+from actors.generation import stop_token_ids
 from async_april.config import Config
 from async_april.evaluation import EvalSet, SetResult
+from async_april.trajectory import Sample
 
 
 def lower_priority(nice: int) -> None:
@@ -42,9 +47,16 @@ def lower_priority(nice: int) -> None:
             pass
 
 
-def eval_seed(run_seed: int, set_name: str, prompt: int, sample: int) -> int:
-    """The same seed for a prompt's k-th sample at every version: evaluations differ by the policy only."""
-    key = f"{run_seed}/eval/{set_name}/{prompt}/{sample}".encode()
+def _check_versions(versions: np.ndarray, version: int) -> None:
+    if len(versions) and (versions != version).any():
+        raise RuntimeError(f"evaluation at version {version} got tokens of versions {sorted(set(versions.tolist()))}; "
+                           "weights changed during an evaluation")
+
+
+def eval_seed(run_seed: int, set_name: str, prompt: int, sample: int, tokens_so_far: int = 0) -> int:
+    """The same seed for a prompt's k-th sample at every version: evaluations differ by the policy only.
+    `tokens_so_far` > 0: a later model turn of a multi-turn episode."""
+    key = f"{run_seed}/eval/{set_name}/{prompt}/{sample}{f'/{tokens_so_far}' if tokens_so_far else ''}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
@@ -66,6 +78,17 @@ class EvalActor:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.scorer = RewardScorer(cfg.reward)
         self.max_new_tokens = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        self.stop_token_ids = stop_token_ids(model_path, self.tokenizer)  # as training's responses stop
+        self.agent = None
+        """Multi-turn (rollout.env): held-out episodes run through the same turn loop as training's."""
+        if cfg.rollout.env is not None:
+            from actors.agents.env import make_env
+            from actors.agents.runner import AgentRunner
+
+            env = make_env(cfg.rollout.env, self.tokenizer, cfg.rollout.agent.env_args)
+            self.stop_token_ids += tuple(int(t) for t in getattr(env, "turn_end_ids", ()))
+            ecfg.rollout.max_new_tokens = self.max_new_tokens  # the runner's budget for the whole response
+            self.agent = AgentRunner(ecfg, env, self.engine, self._turn_request, aborting=set())
         self.lock = asyncio.Lock()
         self.started = False
         self.last_s = 0.0
@@ -111,27 +134,53 @@ class EvalActor:
         return SetResult(s.name, version, reward[:, :n], length[:, :n], trunc[:, :n],
                          reward[:, n] if e.greedy else None)
 
+    def _sampling(self, s: EvalSet, p: int, j: int, max_new_tokens: int, tokens_so_far: int = 0) -> SamplingParams:
+        """Sample `j` of prompt `p` (j == eval.samples: the greedy one), from `tokens_so_far` into the response."""
+        e = self.cfg.eval
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if j == e.samples else e.temperature,
+                              stop_token_ids=self.stop_token_ids,
+                              seed=eval_seed(self.cfg.run.seed, s.name, p, j, tokens_so_far))
+
     async def _one(self, gate: asyncio.Semaphore, s: EvalSet, p: int, j: int, version: int) -> tuple[float, int, bool]:
         """One response to prompt `p` of set `s`: sample `j` (j == eval.samples: the greedy one)."""
-        row, e = s.rows[p], self.cfg.eval
-        greedy = j == e.samples
+        if self.agent is not None:
+            async with gate:
+                return await self._episode(s, p, j, version)
+        row = s.rows[p]
         async with gate:
             res = await self.engine.generate(GenerateRequest(
-                request_id=f"eval/v{version}/{s.name}/{p}/{j}/",
-                input_ids=row.prompt_ids,
-                sampling=SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else e.temperature,
-                                        stop_token_ids=(self.tokenizer.eos_token_id,),
-                                        seed=eval_seed(self.cfg.run.seed, s.name, p, j)),
-            ))
+                request_id=f"eval/v{version}/{s.name}/{p}/{j}/", input_ids=row.prompt_ids,
+                sampling=self._sampling(s, p, j, self.max_new_tokens)))
         if res.finish_reason == "abort":
             raise asyncio.CancelledError  # only cancel() aborts this engine's requests
-        if len(res.versions) and (res.versions != version).any():
-            raise RuntimeError(f"evaluation at version {version} got tokens of versions {sorted(set(res.versions.tolist()))}; "
-                               "weights changed during an evaluation")
+        _check_versions(res.versions, version)
         prompt = self.tokenizer.decode(row.prompt_ids, skip_special_tokens=True)
         response = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         reward, _ = await self.scorer.score_async(prompt, response, row.answer, row.extra)
         return float(reward), len(res.output_ids), res.finish_reason == "length"
+
+    async def _episode(self, s: EvalSet, p: int, j: int, version: int) -> tuple[float, int, bool]:
+        """A multi-turn response: the environment's reward, the model tokens' count, cut by a limit."""
+        from actors.agents.env import EnvRow
+
+        row = s.rows[p]
+        sample = Sample(prompt_index=p, sample_index=j, prompt_ids=np.asarray(row.prompt_ids, np.int64),
+                        answer=row.answer, extra={"eval_set": s.name})
+        env_row = EnvRow(prompt=self.tokenizer.decode(row.prompt_ids, skip_special_tokens=True), prompt_ids=sample.prompt_ids,
+                         answer=row.answer or "", extra=dict(row.extra), seed=eval_seed(self.cfg.run.seed, s.name, p, j))
+        await self.agent.run(sample, env_row)
+        if sample.finish_reason == "abort":
+            raise asyncio.CancelledError
+        _check_versions(sample.model_versions, version)
+        return float(sample.env_reward), sample.num_model_tokens, sample.finish_reason == "length"
+
+    def _turn_request(self, sample: Sample, max_new_tokens: int, prompt_len: int, turn: int) -> GenerateRequest:
+        """The turn loop's request for model turn `turn` of an evaluation episode: the whole context as ids."""
+        s = next(x for x in self.sets if x.name == sample.extra["eval_set"])
+        return GenerateRequest(
+            request_id=f"eval/v{self.engine.version}/{s.name}/{sample.prompt_index}/{sample.sample_index}/t{turn}/",
+            input_ids=sample.resume_input_ids(), prompt_len=prompt_len,
+            sampling=self._sampling(s, sample.prompt_index, sample.sample_index, max_new_tokens, sample.num_tokens))
 
     def versions(self) -> int:
         return self.engine.version

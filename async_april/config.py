@@ -457,12 +457,6 @@ class Config(Section):
                 f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
                 f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
             )
-        if r.env is not None and self.eval.datasets:
-            # The evaluation actor generates one response per prompt with no environment in the loop.
-            raise ValueError(
-                "rollout.env is set but evaluation does not run environments yet: held-out scores would be "
-                "single-turn; set eval.datasets=[] for a multi-turn run"
-            )
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
         return self

@@ -60,7 +60,7 @@ class SetResult:
     rewards: np.ndarray
     """[prompts, samples] rewards of the sampled responses."""
     lengths: np.ndarray
-    """[prompts, samples] response lengths in tokens."""
+    """[prompts, samples] response lengths in tokens (model tokens of a multi-turn episode)."""
     truncated: np.ndarray
     """[prompts, samples] True where the response hit max_new_tokens (finish reason `length`)."""
     greedy_rewards: np.ndarray | None = None

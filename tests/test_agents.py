@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from actors.agents.env import EnvRow, EnvSpecError, load_env_class, make_env
-from async_april.config import ConfigError, load_config
+from async_april.config import load_config
 from async_april.data import PromptDataset, PromptRow
 from async_april.store import RolloutStore
 from async_april.tasks.reverse_turns import ReverseTurnsEnv, make_turn_rows
@@ -111,8 +111,6 @@ def test_env_names_resolve_or_say_what_to_fix(tokenizer):
             load_env_class(spec)
     with pytest.raises(EnvSpecError, match="env_args"):
         make_env("builtin:reverse_turns", tokenizer, {"bogus": 1})
-    with pytest.raises(ConfigError, match="eval.datasets"):
-        load_config("configs/tiny_cpu.yaml", ["rollout.env=builtin:reverse_turns"])
 
 
 def test_reverse_turns_env_rewards_each_chunk_and_appends_ids(tokenizer):
@@ -640,17 +638,23 @@ def test_a_multi_turn_partial_survives_a_checkpoint(tmp_path, no_pickle):
 
 
 def test_a_multi_turn_run_trains_through_ray(tmp_path, model_dir, ray_cluster):
-    """configs/tiny_cpu_multiturn.yaml end to end for 2 steps (store, actor, learner, metrics)."""
+    """configs/tiny_cpu_multiturn.yaml end to end for 2 steps (store, actor, learner, metrics), with a
+    held-out evaluation of episodes through the environment at the last step."""
     import json
 
     from async_april.train import train
 
     cfg = load_config("configs/tiny_cpu_multiturn.yaml", [
         f"run.dir={tmp_path}/run", "run.steps=2", f"model.path={model_dir}", "run.pin_cpus=false",
-        "rollout.batch_groups=2", "rollout.n_samples=4", "rollout.concurrency=8", "logging.console_every=1000"])
+        "rollout.batch_groups=2", "rollout.n_samples=4", "rollout.concurrency=8", "logging.console_every=1000",
+        'eval.datasets=[{name: turns, source: "builtin:reverse_turns", num_prompts: 6}]', "eval.every=2", "eval.samples=1"])
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    ev = rows[-1]
+    assert ev["eval/completed"] == 1 and ev["eval/turns/version"] == 2 and ev["eval/turns/prompts"] >= 1
+    assert 0 <= ev["eval/turns/mean_reward"] <= 1 and 0 <= ev["eval/turns/greedy_reward"] <= 1
+    assert 0 < ev["eval/turns/mean_length"] <= cfg.rollout.max_new_tokens
     for r in rows:
         assert r["rollout/turns_mean"] >= 1 and r["rollout/env_tokens"] > 0
         assert 0 <= r["reward/env"] <= 1 and r["rollout/reward_mean"] == pytest.approx(r["reward/env"])
@@ -819,3 +823,39 @@ def test_an_agent_loop_call_must_return_plain_data(tokenizer):
 def test_agent_loop_names_that_cannot_work_say_what_to_fix(name, message):
     with pytest.raises(EnvSpecError, match=message):
         load_env_class(name)
+
+
+# ------------------------------------------------------------------------------------ evaluation
+
+
+def test_evaluation_runs_held_out_episodes_through_the_environment(model_dir, tokenizer):
+    """With rollout.env each held-out response is an episode through the same turn loop and environment:
+    the greedy score of each prompt is the env reward of the (near-)greedy episode the generation actor runs,
+    sampled episodes are seeded (a second evaluation at the same version repeats them), lengths count
+    model tokens, and every token is at the evaluated version."""
+    from actors.evaluation import EvalActor
+    from async_april.evaluation import EvalSet
+
+    extra = ("rollout.agent.max_turn_tokens=24", "rollout.max_new_tokens=100")
+    cfg = make_cfg(model_dir, "builtin:reverse_turns", *extra, "eval.samples=2", "eval.greedy=true", "eval.temperature=1.0")
+    rows = turn_rows(tokenizer, 8, seed=11)[:4]
+    actor = EvalActor(cfg, model_dir, [EvalSet("turns", rows)], nice=0)
+
+    async def go():
+        try:
+            return await actor.evaluate(None, 0), await actor.evaluate(None, 0)
+        finally:
+            await actor.stop()
+            await actor.engine.shutdown()
+
+    (a,), (b,) = asyncio.run(go())
+    assert a.rewards.shape == (4, 2) and a.greedy_rewards.shape == (4,)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    assert np.all((a.rewards >= 0) & (a.rewards <= 1)) and a.rewards.std() > 0
+    greedy = make_cfg(model_dir, "builtin:reverse_turns", *extra, "rollout.temperature=1e-4")  # argmax, in effect
+    episodes = [asyncio.run(run_episode(make_actor(greedy, model_dir), row)) for row in rows]
+    np.testing.assert_allclose(a.greedy_rewards, [e.env_reward for e in episodes], atol=1e-12)
+    assert max(e.turns for e in episodes) >= 2
+    # Lengths are model tokens: an episode of several turns has environment tokens beside them.
+    assert np.all(a.lengths <= 100) and a.lengths.max() > 24
