@@ -141,3 +141,36 @@ async def object_result_loop(ctx, row):
     await ctx.generate()
     await ctx.call(lambda: {"answer": [1, object()]})
     return 0.0
+
+
+class FlakyTool:
+    """Turn 1: answers. Turn 2: hangs (until `unblock`). Turn 3: raises. Every run is counted."""
+
+    unblock = threading.Event()
+    runs: list[int] = []
+
+    @classmethod
+    def run(cls, turn: int) -> str:
+        cls.runs.append(turn)
+        if turn == 2:
+            cls.unblock.wait(60)
+        if turn == 3:
+            raise ConnectionError("sandbox unreachable")
+        return f"ok {turn}"
+
+
+async def flaky_tool_loop(ctx, row):
+    """Observes what the tool answered, or the failure it chose to show: one id per character class."""
+    from actors.agents.loop import ToolFailed
+
+    for turn in range(1, 5):
+        await ctx.generate()
+        try:
+            answer = await ctx.call(FlakyTool.run, turn, timeout_s=0.2)
+            ctx.observe([5, turn])  # "ok"
+        except ToolFailed as failure:
+            ctx.observe([6, 7 if "timed out" in str(failure) else 8])
+            ctx.add_reward(-0.25)
+            answer = str(failure)
+        assert answer
+    return 1.0

@@ -809,6 +809,34 @@ def test_an_agent_loop_that_is_not_deterministic_fails_its_step_saying_so(tokeni
         env.step(state, np.array([6, 2]))
 
 
+def test_an_agent_loops_tool_failures_are_its_to_handle_and_are_replayed_not_rerun(tokenizer):
+    """A call that times out (timeout_s) or raises reaches the loop as ToolFailed, which chooses the
+    observation; the failure is recorded, so later replays raise it again at that call without running
+    the tool (a hung tool is never waited for twice)."""
+    from tests.agent_envs import FlakyTool
+
+    FlakyTool.runs.clear()
+    FlakyTool.unblock.clear()
+    env = make_env("tests.agent_envs:flaky_tool_loop", tokenizer, {})
+    row = EnvRow(prompt="1=", prompt_ids=np.array([1, 5, 14]), answer="1", extra={}, seed=0)
+    state, steps = env.reset(row).state, []
+    try:
+        t0 = time.monotonic()
+        for turn in range(1, 5):
+            step = env.step(state, np.array([4 + turn, 2]))
+            state = step.state
+            steps.append(step)
+        elapsed = time.monotonic() - t0
+    finally:
+        FlakyTool.unblock.set()
+    assert [s.observation_ids.tolist() for s in steps[:3]] == [[5, 1], [6, 7], [6, 8]]
+    assert [s.reward for s in steps] == [0.0, -0.25, -0.25, 1.0] and steps[-1].done
+    assert FlakyTool.runs == [1, 2, 3, 4]  # each call ran once; replays served the record, failures too
+    assert elapsed < 2.0, f"a replay waited for the hung tool again ({elapsed:.1f}s)"
+    assert [c[2] is not None for c in state["calls"]] == [False, True, True, False]
+    assert "timed out after 0.2s" in state["calls"][1][2] and "ConnectionError: sandbox unreachable" in state["calls"][2][2]
+
+
 def test_an_agent_loop_call_must_return_plain_data(tokenizer):
     env = make_env("tests.agent_envs:object_result_loop", tokenizer, {})
     row = EnvRow(prompt="1=", prompt_ids=np.array([1, 5, 14]), answer="1", extra={}, seed=0)

@@ -7,7 +7,10 @@
             call = parse_tool_call(ctx.decode(turn))
             if call is None:
                 return score(turn, row.answer)        # the response's reward
-            result = await ctx.call(run_tool, call)   # recorded: never run twice for one episode
+            try:                                      # recorded: never run twice for one episode
+                result = await ctx.call(run_tool, call, timeout_s=10)
+            except ToolFailed as failure:             # raised or timed out: the loop chooses what
+                result = {"error": str(failure)}      # the model sees
             ctx.observe(tool_message_ids(result))     # token ids, loss mask 0
 
 The loop reads like the verl/slime custom generate functions it replaces, but
@@ -18,9 +21,9 @@ the loop from the start with the turns recorded so far:
 
 - each `ctx.generate()` returns the next recorded turn; the first one past
   the record ends the step (the model's turn is what comes next);
-- each `ctx.call(fn, ...)` returns the recorded result of that call, or runs
-  `fn` and records its result (plain data) when the replay reaches a call it
-  has not made before;
+- each `ctx.call(fn, ...)` returns the recorded result of that call (or
+  raises its recorded failure), or runs `fn` and records its result (plain
+  data) or failure when the replay reaches a call it has not made before;
 - the observations and rewards produced after the newest turn are the step's.
 
 So the episode's whole state is plain data in the sample (the row, the
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -47,6 +51,10 @@ from actors.agents.env import EnvRow, Reset, Step
 class _TurnNeeded(BaseException):
     """The loop asked for a model turn past the recorded ones: this step is over. A BaseException,
     so that a user's `except Exception` around `ctx.generate()` cannot swallow it."""
+
+
+class ToolFailed(Exception):
+    """A `ctx.call` raised or timed out (the message says which); a replay raises it again at that call."""
 
 
 class LoopDiverged(RuntimeError):
@@ -63,7 +71,7 @@ class AgentContext:
         """`rollout.agent.env_args`, as given."""
         self._turns = turns
         self.calls = calls
-        """[function name, result] of every call so far, this replay's new ones appended."""
+        """[function name, result, error or None] of every call so far, this replay's new ones appended."""
         self._next_turn = 0
         self._next_call = 0
         self.prompt_extra: list[int] = []
@@ -79,28 +87,36 @@ class AgentContext:
         self._next_turn += 1
         return np.asarray(turn, np.int64)
 
-    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` (a function or a coroutine function), run once per episode: a replay
         returns the recorded result. The result must be plain data (it is kept in the sample and
-        checkpoints). The step's timeout (`rollout.agent.step_timeout_s`) covers the calls it makes."""
+        checkpoints). A call that raises or runs past `timeout_s` raises `ToolFailed` here, and again
+        at the same call in every replay (the failure is recorded too): catch it to choose what the
+        model sees. The step's own timeout (`rollout.agent.step_timeout_s`) bounds all its calls."""
         name = getattr(fn, "__qualname__", repr(fn))
         i = self._next_call
         self._next_call += 1
         if i < len(self.calls):
-            recorded, result = self.calls[i]
+            recorded, result, error = self.calls[i]
             if recorded != name:
                 raise LoopDiverged(f"agent loop replay: call #{i} was {recorded} and is now {name}; the loop must make the "
                                    "same calls given the same row, turns and call results (seed randomness with row.seed)")
+            if error is not None:
+                raise ToolFailed(error)
             return result
-        result = fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = await _run_bounded(fn, args, kwargs, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the tool's failure is the loop's to handle
+            error = (f"{name} timed out after {timeout_s:g}s" if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+                     else f"{name} raised {type(exc).__name__}: {exc}")
+            self.calls.append([name, None, error])
+            raise ToolFailed(error) from None
         where = _not_plain(result)
         if where is not None:
             raise TypeError(f"agent loop: ctx.call({name}) returned {where}; a call's result is kept in the sample "
                             "and its checkpoints, so return plain data (None, bool, int, float, str, lists, dicts, "
                             "numpy arrays)")
-        self.calls.append([name, result])
+        self.calls.append([name, result, None])
         return result
 
     def observe(self, ids) -> None:
@@ -174,6 +190,34 @@ class AgentLoopEnv:
 
         # The step runs in a thread of its own (the runner's), with no event loop: give the replay one.
         return ctx, asyncio.run(go())
+
+
+async def _run_bounded(fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float | None) -> Any:
+    """fn(*args, **kwargs), awaited if it is a coroutine; TimeoutError past `timeout_s`. A plain function
+    with a timeout runs in a daemon thread of its own, left to finish if it overruns (Python threads
+    cannot be killed), so a hung tool holds neither this step nor the process's exit."""
+    if timeout_s is None:
+        result = fn(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="agent-tool", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError()
+    if "error" in box:
+        raise box["error"]
+    value = box["value"]
+    return await value if inspect.isawaitable(value) else value
 
 
 def _not_plain(value: Any) -> str | None:
