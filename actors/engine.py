@@ -94,6 +94,11 @@ class EngineStats:
     (a batch below `max_running` makes each step cost about the same for fewer tokens)."""
     batch_capacity: int = 0
     """`max_running` summed over decode steps."""
+    kv_slots: int = 0
+    """KV-cache positions the decode steps attended, padding included, summed over steps and rows (torch
+    engine: its batch shares one left-padded cache, so a row attends to the longest row's width)."""
+    kv_pad_slots: int = 0
+    """Of `kv_slots`, the padding: attention and cache copies spent on no token."""
     reprefill_tokens: int = 0
     """Prefill tokens the engine itself recomputed for requests it was already running (a cache
     rebuilt after a weight update). Resumes the caller asks for are counted by the caller

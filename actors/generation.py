@@ -356,6 +356,8 @@ class GenerationActor:
             "perf/engine_generated_tokens": st.generated_tokens,
             "perf/engine_batch_rows": st.batch_rows,
             "perf/engine_batch_capacity": st.batch_capacity,
+            "perf/engine_kv_slots": st.kv_slots,
+            "perf/engine_kv_pad_slots": st.kv_pad_slots,
             # Re-prefill asked for by resumes (any engine) plus caches an engine rebuilt itself.
             "rollout/reprefill_tokens": self.resume_prefill_tokens + st.reprefill_tokens,
             **(self.agent.metrics() if self.agent is not None else {}),

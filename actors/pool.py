@@ -23,7 +23,8 @@ from async_april.cpu_pinning import CpuPlan
 log = logging.getLogger(__name__)
 
 TOTAL_KEYS = ("perf/engine_busy_s", "perf/engine_idle_s", "perf/engine_generated_tokens", "rollout/inflight", "rollout/reward_errors",
-              "rollout/reprefill_tokens", "perf/engine_batch_rows", "perf/engine_batch_capacity")
+              "rollout/reprefill_tokens", "perf/engine_batch_rows", "perf/engine_batch_capacity",
+              "perf/engine_kv_slots", "perf/engine_kv_pad_slots")
 
 
 class NoGenerationActorsError(RuntimeError):

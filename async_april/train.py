@@ -275,6 +275,9 @@ def _step_perf(last: dict, now: dict, step_s: float) -> dict[str, float]:
         # How full the decode batch was while busy (engines that report it: torch, simulated).
         "perf/engine_batch_occupancy": (now["perf/engine_batch_rows"] - last["perf/engine_batch_rows"]) / capacity
         if capacity > 0 else 0.0,
+        # Of the KV positions the decode steps attended, the padding (torch engine: one left-padded cache).
+        "perf/engine_kv_pad_frac": (now["perf/engine_kv_pad_slots"] - last["perf/engine_kv_pad_slots"]) / slots
+        if (slots := now["perf/engine_kv_slots"] - last["perf/engine_kv_slots"]) > 0 else 0.0,
         "rollout/generated_tokens": tokens,
         "rollout/inflight": now["rollout/inflight"],
         "rollout/reward_errors": now["rollout/reward_errors"],

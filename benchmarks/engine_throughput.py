@@ -10,6 +10,15 @@ done. Useful tokens/s = sum of requested lengths / wall time. Prints a table
 and writes benchmarks/results/engine_throughput.json.
 
 Launch:  OMP_NUM_THREADS=1 python benchmarks/engine_throughput.py [--n 64 --max-batch 16 --median 24 --max-len 256]
+
+--admission: the torch engine alone, the same requests admitted two ways: in
+batches (the next `--max-batch` start when the last of the previous ones is done,
+as when an engine drains for every weight update) and continuously (a new request
+whenever one finishes, as with `on_weight_update: continue` or between updates).
+Reports tokens per busy second, batch occupancy and the padded share of the
+KV positions attended; writes benchmarks/results/engine_admission.json.
+
+    OMP_NUM_THREADS=1 python benchmarks/engine_throughput.py --admission --n 512 --max-batch 64
 """
 
 from __future__ import annotations
@@ -49,6 +58,45 @@ async def run_engine(model_dir: str, prompts, lens, max_batch: int) -> tuple[flo
     return dt, sum(len(r.output_ids) for r in res)
 
 
+async def run_admission(model_dir: str, prompts, lens, max_batch: int, continuous: bool) -> dict:
+    """The engine alone; requests admitted continuously or in batches of `max_batch` (see the docstring)."""
+    eng = TorchEngine(model_dir, max_running=max_batch, max_batch_tokens=10**9, eos_token_ids=())
+    await eng.start()
+    reqs = [GenerateRequest(f"a{i:05d}#", p, SamplingParams(max_new_tokens=int(n), seed=i)) for i, (p, n) in enumerate(zip(prompts, lens))]
+    t = time.perf_counter()
+    if continuous:
+        slots = asyncio.Semaphore(max_batch)
+
+        async def one(r):
+            async with slots:
+                return await eng.generate(r)
+
+        await asyncio.gather(*(one(r) for r in reqs))
+    else:
+        for s in range(0, len(reqs), max_batch):
+            await asyncio.gather(*(eng.generate(r) for r in reqs[s : s + max_batch]))
+    wall = time.perf_counter() - t
+    st = eng.stats()
+    await eng.shutdown()
+    return {"wall_s": wall, "tokens": st.generated_tokens, "tokens_per_busy_s": st.generated_tokens / st.busy_s,
+            "occupancy": st.batch_rows / st.batch_capacity, "kv_pad_frac": st.kv_pad_slots / st.kv_slots}
+
+
+def admission(model_dir: str, prompts, lens, args) -> None:
+    rows = {mode: asyncio.run(run_admission(model_dir, prompts, lens, args.max_batch, mode == "continuous"))
+            for mode in ("batches", "continuous")}
+    ratio = rows["continuous"]["tokens_per_busy_s"] / rows["batches"]["tokens_per_busy_s"]
+    print(f"{args.n} requests, max batch {args.max_batch}, lengths mean {lens.mean():.1f} max {lens.max()}")
+    print(f"{'admission':<12}{'wall s':>8}{'tokens':>9}{'tok/busy s':>12}{'occupancy':>11}{'KV pad':>8}")
+    for mode, r in rows.items():
+        print(f"{mode:<12}{r['wall_s']:>8.2f}{r['tokens']:>9}{r['tokens_per_busy_s']:>12.0f}{r['occupancy']:>11.2f}{r['kv_pad_frac']:>8.2f}")
+    print(f"continuous / batches, tokens per busy second: {ratio:.2f}x")
+    out = Path(args.out).parent / "engine_admission.json"
+    out.write_text(json.dumps({"config": vars(args), "results": rows, "continuous_vs_batches": ratio,
+                               "torch": torch.__version__}, indent=2))
+    print("wrote", out)
+
+
 def run_padded_generate(model_dir: str, prompts, lens, max_batch: int) -> tuple[float, int, int]:
     from transformers import AutoModelForCausalLM
 
@@ -81,6 +129,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_throughput.json"))
+    ap.add_argument("--admission", action="store_true", help="continuous vs batch admission on the torch engine alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from async_april.models.tiny import build_random_tiny_model
@@ -88,6 +137,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(build_random_tiny_model(Path(tmp) / "tiny", seed=0, max_position_embeddings=4096))
         lens, prompts = lengths_and_prompts(args.n, args.median, args.sigma, args.max_len, args.seed)
+        if args.admission:
+            return admission(model_dir, prompts, lens, args)
         eng_s, eng_tok = asyncio.run(run_engine(model_dir, prompts, lens, args.max_batch))
         gen_s, gen_tok, gen_decoded = run_padded_generate(model_dir, prompts, lens, args.max_batch)
     rows = {

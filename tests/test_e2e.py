@@ -21,6 +21,7 @@ REQUIRED_KEYS = [
     "perf/rollout_tokens_per_s", "timing_s/rollout", "timing_s/train", "timing_s/weight_sync", "loss/policy",
     "staleness/max", "staleness/mean", "perf/engine_idle_frac", "rollout/inflight", "rollout/partial_resumed",
     "rollout/aborted_tokens_reused", "rollout/groups_filtered", "is/weight_mean", "loss/clip_frac", "reward/reverse_match",
+    "perf/engine_batch_occupancy", "perf/engine_kv_pad_frac",
 ]
 
 
@@ -66,6 +67,7 @@ def test_sync_run_from_the_cli_with_wandb_offline(sync_cli_run):
     for key in REQUIRED_KEYS:
         assert all(key in r for r in rows), f"{key} missing from metrics.jsonl"
     assert all(r["staleness/max"] == 0 for r in rows)  # synchronous: every token on-policy
+    assert all(0.0 <= r["perf/engine_kv_pad_frac"] < 1.0 for r in rows) and any(r["perf/engine_kv_pad_frac"] > 0 for r in rows)
     assert all(r["rollout/tokens"] > 0 and 0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)
     saved = (run_dir / "config.yaml").read_text()
     assert "max_staleness: 0" in saved and "batch_groups: 4" in saved

@@ -181,6 +181,32 @@ def test_batch_occupancy_counts_running_rows_per_decode_step(model_dir):
     assert st.batch_rows / st.batch_capacity <= 0.5
 
 
+def test_kv_slots_count_every_attended_position_and_the_padding_among_them(model_dir):
+    """A request with a P-token prompt and m tokens attends to P + i real positions at the decode step
+    that samples token i + 1 (i = 1 .. m-1). Alone it attends to nothing else; joining rows of other
+    lengths at other steps, its share of the batch's left-padded cache is padding."""
+
+    async def main(staggered):
+        eng = TorchEngine(model_dir, eos_token_ids=(), max_running=8)
+        await eng.start()
+        try:
+            async def one(i, r):
+                await asyncio.sleep(0.01 * i if staggered else 0)
+                return await eng.generate(r)
+
+            reqs = [req(f"k{i}#", [1] + [4 + i] * (2 + 3 * i), 12 + 5 * i, seed=i) for i in range(4 if staggered else 1)]
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+            return reqs, eng.stats()
+        finally:
+            await eng.shutdown()
+
+    for staggered in (False, True):
+        reqs, st = asyncio.run(main(staggered))
+        real = sum(len(r.input_ids) + i for r in reqs for i in range(1, r.sampling.max_new_tokens))
+        assert st.kv_slots - st.kv_pad_slots == real
+        assert (st.kv_pad_slots > 0) == staggered
+
+
 def test_stop_token_and_weight_update_errors(model_dir, weights):
     async def main():
         eng = TorchEngine(model_dir)  # default stop: the model's eos
