@@ -638,23 +638,19 @@ def test_a_multi_turn_partial_survives_a_checkpoint(tmp_path, no_pickle):
 
 
 def test_a_multi_turn_run_trains_through_ray(tmp_path, model_dir, ray_cluster):
-    """configs/tiny_cpu_multiturn.yaml end to end for 2 steps (store, actor, learner, metrics), with a
-    held-out evaluation of episodes through the environment at the last step."""
+    """configs/tiny_cpu_multiturn.yaml end to end for 2 steps (store, actor, learner, metrics). (Held-out
+    episodes: test_evaluation_runs_held_out_episodes_through_the_environment, on the same EvalActor class
+    without the ~10 s of starting its Ray process.)"""
     import json
 
     from async_april.train import train
 
     cfg = load_config("configs/tiny_cpu_multiturn.yaml", [
         f"run.dir={tmp_path}/run", "run.steps=2", f"model.path={model_dir}", "run.pin_cpus=false",
-        "rollout.batch_groups=2", "rollout.n_samples=4", "rollout.concurrency=8", "logging.console_every=1000",
-        'eval.datasets=[{name: turns, source: "builtin:reverse_turns", num_prompts: 6}]', "eval.every=2", "eval.samples=1"])
+        "rollout.batch_groups=2", "rollout.n_samples=4", "rollout.concurrency=8", "logging.console_every=1000"])
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
-    ev = rows[-1]
-    assert ev["eval/completed"] == 1 and ev["eval/turns/version"] == 2 and ev["eval/turns/prompts"] >= 1
-    assert 0 <= ev["eval/turns/mean_reward"] <= 1 and 0 <= ev["eval/turns/greedy_reward"] <= 1
-    assert 0 < ev["eval/turns/mean_length"] <= cfg.rollout.max_new_tokens
     for r in rows:
         assert r["rollout/turns_mean"] >= 1 and r["rollout/env_tokens"] > 0
         assert 0 <= r["reward/env"] <= 1 and r["rollout/reward_mean"] == pytest.approx(r["reward/env"])
