@@ -72,6 +72,7 @@ class EvalActor:
         lower_priority(cfg.eval.nice if nice is None else nice)
         torch.set_num_threads(1)
         self.cfg, self.sets = cfg, sets
+        self.sets_by_name = {s.name: s for s in sets}
         ecfg = cfg.model_copy(deep=True)
         ecfg.rollout.concurrency = cfg.eval.concurrency
         self.engine = make_engine(ecfg, model_path, version=version)
@@ -82,13 +83,11 @@ class EvalActor:
         self.agent = None
         """Multi-turn (rollout.env): held-out episodes run through the same turn loop as training's."""
         if cfg.rollout.env is not None:
-            from actors.agents.env import make_env
-            from actors.agents.runner import AgentRunner
+            from actors.agents.runner import build_agent
 
-            env = make_env(cfg.rollout.env, self.tokenizer, cfg.rollout.agent.env_args)
-            self.stop_token_ids += tuple(int(t) for t in getattr(env, "turn_end_ids", ()))
             ecfg.rollout.max_new_tokens = self.max_new_tokens  # the runner's budget for the whole response
-            self.agent = AgentRunner(ecfg, env, self.engine, self._turn_request, aborting=set())
+            self.agent, self.stop_token_ids = build_agent(ecfg, self.tokenizer, self.engine, self._turn_request,
+                                                          set(), self.stop_token_ids)
         self.lock = asyncio.Lock()
         self.started = False
         self.last_s = 0.0
@@ -176,7 +175,7 @@ class EvalActor:
 
     def _turn_request(self, sample: Sample, max_new_tokens: int, prompt_len: int, turn: int) -> GenerateRequest:
         """The turn loop's request for model turn `turn` of an evaluation episode: the whole context as ids."""
-        s = next(x for x in self.sets if x.name == sample.extra["eval_set"])
+        s = self.sets_by_name[sample.extra["eval_set"]]
         return GenerateRequest(
             request_id=f"eval/v{self.engine.version}/{s.name}/{sample.prompt_index}/{sample.sample_index}/t{turn}/",
             input_ids=sample.resume_input_ids(), prompt_len=prompt_len,

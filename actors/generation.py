@@ -104,12 +104,10 @@ class GenerationActor:
         self.lease_block = max(1, cfg.rollout.concurrency // ADMISSION_BLOCK_DIVISOR)
         self._last_flush = 0.0
         if cfg.rollout.env is not None:
-            from actors.agents.env import make_env
-            from actors.agents.runner import AgentRunner
+            from actors.agents.runner import build_agent
 
-            env = make_env(cfg.rollout.env, self.tokenizer, cfg.rollout.agent.env_args)
-            self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids + tuple(int(t) for t in getattr(env, "turn_end_ids", ()))))
-            self.agent = AgentRunner(cfg, env, self.engine, self._turn_request, self.aborting)
+            self.agent, self.stop_token_ids = build_agent(cfg, self.tokenizer, self.engine, self._turn_request,
+                                                          self.aborting, self.stop_token_ids)
 
     async def start(self) -> int:
         await self.engine.start()

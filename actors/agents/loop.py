@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from actors.agents.env import EnvRow, Reset, Step
+from actors.agents.runner import in_thread
 
 
 class _TurnNeeded(BaseException):
@@ -169,7 +169,6 @@ class AgentLoopEnv:
             if ctx.observations[i] != recorded:
                 raise LoopDiverged(f"agent loop replay: the observation after turn {i} differs from the one recorded; "
                                    "the loop must be deterministic given its row, turns and call results")
-        state["calls"] = ctx.calls
         state["observations"] = [*state["observations"], ctx.observations[new]]
         reward = ctx.rewards[new] + (float(finished[0]) if finished and finished[0] is not None else 0.0)
         return Step(np.asarray(ctx.observations[new], np.int64), reward, bool(finished), state)
@@ -194,30 +193,15 @@ class AgentLoopEnv:
 
 async def _run_bounded(fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float | None) -> Any:
     """fn(*args, **kwargs), awaited if it is a coroutine; TimeoutError past `timeout_s`. A plain function
-    with a timeout runs in a daemon thread of its own, left to finish if it overruns (Python threads
-    cannot be killed), so a hung tool holds neither this step nor the process's exit."""
+    with a timeout runs in a daemon thread of its own (the runner's `in_thread`), left to finish if it
+    overruns (Python threads cannot be killed), so a hung tool holds neither this step nor the exit."""
     if timeout_s is None:
         result = fn(*args, **kwargs)
-        return await result if inspect.isawaitable(result) else result
-    if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="agent-tool", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError()
-    if "error" in box:
-        raise box["error"]
-    value = box["value"]
-    return await value if inspect.isawaitable(value) else value
+    elif inspect.iscoroutinefunction(fn):
+        result = await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+    else:
+        result = await asyncio.wait_for(in_thread(fn, *args, **kwargs), timeout_s)
+    return await result if inspect.isawaitable(result) else result
 
 
 def _not_plain(value: Any) -> str | None:

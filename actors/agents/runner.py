@@ -41,15 +41,15 @@ class StepAborted(Exception):
     """An abort arrived while an environment step was waiting or running."""
 
 
-def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """Run fn(*args) in a daemon thread of its own; an asyncio future of its result. A thread per
-    call (not a pool): a step that never returns must not take a pool worker from later steps."""
+def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+    """Run fn(*args, **kwargs) in a daemon thread of its own; an asyncio future of its result. A thread
+    per call (not a pool): a step that never returns must not take a pool worker from later steps."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
     def target() -> None:
         try:
-            value, exc = fn(*args), None
+            value, exc = fn(*args, **kwargs), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             value, exc = None, e
         try:
@@ -209,3 +209,16 @@ class AgentRunner:
 def _consume(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def build_agent(cfg: Config, tokenizer: Any, engine: Any, make_request: Callable[..., Any], aborting: set[str],
+                stop_token_ids: tuple[int, ...]) -> tuple[AgentRunner, tuple[int, ...]]:
+    """The turn loop for `rollout.env` on `engine` (the environment built with the tokenizer and
+    `rollout.agent.env_args`), and the stop tokens its turns end at: `stop_token_ids` plus the
+    environment's `turn_end_ids`. Shared by the generation and evaluation actors."""
+    from actors.agents.env import make_env
+
+    env = make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args)
+    stops = tuple(dict.fromkeys(stop_token_ids + tuple(int(t) for t in getattr(env, "turn_end_ids", ()))))
+    return AgentRunner(cfg, env, engine, make_request, aborting), stops
+

@@ -386,14 +386,16 @@ class TorchEngine:
         last = torch.tensor([[r.ids[-1]] for r in rows], dtype=torch.long, device=self.device)
         pos = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=self.device)
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], 1)
+        out = self.model(input_ids=last, attention_mask=self._mask, position_ids=pos, use_cache=True,
+                         **{self._cache_kw: self._cache})
+        held = 0
+        for r in rows:
+            r.length += 1
+            held += r.length
         # Counted on the host from the rows' lengths (reading the mask would sync a GPU every step).
         slots = len(rows) * self._mask.shape[1]
         self._stats.kv_slots += slots
-        self._stats.kv_pad_slots += slots - sum(r.length + 1 for r in rows)
-        out = self.model(input_ids=last, attention_mask=self._mask, position_ids=pos, use_cache=True,
-                         **{self._cache_kw: self._cache})
-        for r in rows:
-            r.length += 1
+        self._stats.kv_pad_slots += slots - held
         self._stats.batch_rows += len(rows)
         self._stats.batch_capacity += self.max_running
         self._sample_and_finish(out.logits[:, -1, :], 0)
