@@ -104,9 +104,9 @@ class EvalActor:
             self.started = True
 
     async def evaluate(self, weights, version: int) -> list[SetResult]:
-        """Load `weights` (object-store bucket refs or a disk directory, as learners/weight_sync.py sends
+        """Load `weights` (object-store bucket refs or a disk directory, as async_april/weight_buckets.py defines
         them; None keeps the engine's weights) as `version`, then evaluate every set at that version."""
-        from learners.weight_sync import iter_buckets
+        from async_april.weight_buckets import iter_buckets
 
         async with self.lock:
             t0 = time.perf_counter()
@@ -160,7 +160,7 @@ class EvalActor:
 
     async def _episode(self, s: EvalSet, p: int, j: int, version: int) -> tuple[float, int, bool]:
         """A multi-turn response: the environment's reward, the model tokens' count, cut by a limit."""
-        from actors.agents.env import EnvRow
+        from async_april.environment import EnvRow
 
         row = s.rows[p]
         sample = Sample(prompt_index=p, sample_index=j, prompt_ids=np.asarray(row.prompt_ids, np.int64),

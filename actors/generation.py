@@ -72,7 +72,7 @@ class GenerationActor:
         from actors.engines import make_engine
         from async_april.rewards.scoring import RewardScorer
 
-        from async_april.hub import model_path_on_this_node
+        from async_april.models.paths import model_path_on_this_node
 
         torch.set_num_threads(1)
         self.cfg = cfg
@@ -181,7 +181,7 @@ class GenerationActor:
     async def _run_agent(self, sample: Sample) -> None:
         """Multi-turn: the environment's turn loop (actors/agents/runner.py) in place of one generate;
         the reward is the sum of the environment's step rewards."""
-        from actors.agents.env import EnvRow
+        from async_april.environment import EnvRow
 
         if sample.uid not in self.aborting:
             if sample.num_tokens:  # a resume sends the whole context again
@@ -276,8 +276,8 @@ class GenerationActor:
     # -- control from the controller ------------------------------------------------
     async def update_weights(self, payload, version: int) -> float:
         """Load weights `version`: object-store bucket refs or a disk directory (see
-        learners/weight_sync.py), one bucket at a time. Returns seconds spent."""
-        from learners.weight_sync import iter_buckets
+        async_april/weight_buckets.py), one bucket at a time. Returns seconds spent."""
+        from async_april.weight_buckets import iter_buckets
 
         in_flight = self.cfg.rollout.on_weight_update == "continue"
         if isinstance(payload, str) and getattr(self.engine, "weight_update_mode", None) == "disk":

@@ -18,7 +18,7 @@ DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 HEADER = """# Configuration reference
 
-Generated from the docstrings in `async_april/config.py` by
+Generated from the docstrings in `async_april/config/` by
 `python -m async_april.config_docs`; a test fails when this file is out of date.
 
 A run is one YAML file (data only) plus dotted overrides on the command line:

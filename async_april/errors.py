@@ -4,7 +4,7 @@ Every expected failure caused by what the user gave us -- config, YAML, data,
 model, reward, checkpoint, run directory, plot input -- raises a subclass of
 `UserError` whose message names the file, key or row and the fix. The CLI
 prints it as one line, `error: <message>`, and exits 2, without a traceback
-(async_april/cli.py). Anything else is a bug or a fault and keeps its traceback.
+(async_april/launch/cli.py). Anything else is a bug or a fault and keeps its traceback.
 
 This module imports nothing, so the config schema can use it.
 """

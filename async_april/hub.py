@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from async_april.errors import ModelError
 
@@ -62,14 +61,3 @@ def resolve_hub_model(spec: str) -> Path:
         raise ModelError(f"model.path {spec!r}: the cached snapshot {path} has no config.json; "
                          f"fetch it again with `{fetch_command(repo, rev)}`")
     return path
-
-
-def model_path_on_this_node(model_cfg: Any, driver_path: str | os.PathLike) -> Path:
-    """Where this node has the model: the driver's resolved directory when this node sees it
-    (one machine, shared storage), else `model.path` resolved here (hub cache of this node)."""
-    p = Path(driver_path)
-    if (p / "config.json").is_file():
-        return p
-    from async_april.models.tiny import resolve_model_path
-
-    return resolve_model_path(model_cfg.path, model_cfg.cache_dir)

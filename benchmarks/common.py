@@ -30,7 +30,7 @@ def mode_config(mode: str, tmp: Path, overrides: list[str], base: str = "configs
 
 def run(cfg: Config, learner_factory=None) -> list[dict]:
     """Train `cfg` in this process (embedded Ray) and return its metrics rows."""
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     train(cfg, learner_factory=learner_factory)
     return read_rows(cfg.run_dir)

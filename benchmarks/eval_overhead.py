@@ -31,7 +31,7 @@ from async_april.tracking import progress
 
 
 def run_one(label: str, tmp: Path, overrides: list[str]) -> list[dict]:
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     cfg = load_config(REPO / "configs/tiny_cpu.yaml",
                       [f"run.dir={tmp}/{label}", "logging.console_every=1000000", *overrides])

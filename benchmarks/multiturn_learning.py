@@ -47,7 +47,7 @@ def summary_rise(rewards: list[float]) -> float:
 
 
 def run_one(mode: str, seed: int, tmp: Path) -> dict:
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     cfg = mode_config(mode, tmp, [f"run.seed={seed}"], base=CONFIG)
     progress(f"{mode} seed {seed}: {cfg.run.steps} steps of {CONFIG}")

@@ -126,7 +126,7 @@ def steady_state_torch(cfg, seconds: float) -> float:
     from actors.engine import GenerateRequest, SamplingParams
     from actors.engines import make_engine
     from async_april.data import load_prompts
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
 
     path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     tok = AutoTokenizer.from_pretrained(path)

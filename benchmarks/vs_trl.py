@@ -37,7 +37,7 @@ def run_trl(seed: int, steps: int, tmp: Path) -> tuple[list[tuple[float, float]]
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
     from async_april.rewards.reverse import reverse_match
     from async_april.tasks.reverse import make_reverse_rows
 

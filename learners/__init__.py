@@ -1,11 +1,16 @@
 """The FSDP2 learner: ranks as Ray actors, bucketed weight export, checkpoints.
 
-    parallelize.py  the only place applying FSDP2 / activation checkpointing / compile
-    logprobs.py     per-token logprobs (pure) and response logprobs of a padded micro-batch
-    worker.py       LearnerWorker: one rank (plain class; runs with or without Ray)
-    group.py        LearnerGroup: one Ray actor per rank in a placement group
-    weight_sync.py  bucketize, transports (object store, disk, nccl), WeightSyncer
-    checkpoint.py   per-rank model + optimizer shards (safetensors + JSON, no pickle), resharded on load
+    parallelize.py    the only place applying FSDP2 / activation checkpointing / compile
+    logprobs.py       per-token logprobs (pure) and response logprobs of a padded micro-batch
+    update.py         PPO mini-batches and token-budget micro-batches (pure)
+    optim.py          learning-rate schedule, peak FLOP/s for MFU
+    worker.py         LearnerWorker: one rank (plain class; runs with or without Ray)
+    weight_export.py  the rank's full weights, bucketed (a mixin of LearnerWorker)
+    group.py          LearnerGroup: one Ray actor per rank in a placement group
+    weight_sync.py    WeightSyncer: the driver-side push to the engines (the bucket format and the
+                      transports' two ends: async_april/weight_buckets.py)
+    checkpoint.py     per-rank model + optimizer shards (safetensors + JSON, no pickle), resharded on load
+    hf_dir.py         a Hugging Face model directory from a full state dict
 
 Imports are lazy so `import learners` pulls in neither torch nor Ray.
 """

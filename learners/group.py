@@ -20,7 +20,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from learners.weight_sync import TensorSpec, plan_buckets
+from async_april.weight_buckets import TensorSpec, plan_buckets
 from learners.worker import INJECT_NAN_ENV, LearnerWorker
 
 if TYPE_CHECKING:

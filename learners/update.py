@@ -57,3 +57,23 @@ def mean_over_mini_batches(per_mini: list[dict[str, float]]) -> dict[str, float]
         else:
             out[key] = sum(values) / len(values)
     return out
+
+
+def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Greedy packing of row indices (longest first) so rows x longest row stays within `max_tokens`.
+
+    A row longer than the budget goes alone in its own micro-batch.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in np.argsort(-np.asarray(lengths), kind="stable"):
+        n = int(lengths[i])
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(int(i))
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups

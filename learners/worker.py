@@ -27,40 +27,24 @@ import math
 import os
 import resource
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from learners import checkpoint as ckpt
 from learners.hf_dir import write_hf_dir
 from learners.logprobs import collate, response_logprobs
-from learners.update import mean_over_mini_batches, needs_proximal_forward, split_mini_batches
+from learners.optim import make_lr_scheduler, peak_flops
+from learners.update import mean_over_mini_batches, needs_proximal_forward, pack_micro_batches, split_mini_batches
+from learners.weight_export import WeightExport
 from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
-from learners.weight_sync import TensorSpec, plan_buckets
 
 if TYPE_CHECKING:
     from async_april.batch import TrainBatch
     from async_april.config import Config
-
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "H20": 148.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "L4": 121.0,
-    "RTX 4090": 165.0,
-}
-"""Dense bf16 peak TFLOP/s by a substring of `torch.cuda.get_device_name()` (first match wins)."""
-
 
 INJECT_NAN_ENV = "ASYNC_APRIL_INJECT_NAN_STEPS"
 """TEST HOOK (docs/reliability.md): comma-separated learner steps (1-based train_step calls) whose
@@ -71,48 +55,7 @@ def parse_inject_steps(text: str) -> frozenset[int]:
     return frozenset(int(x) for x in text.replace(" ", "").split(",") if x)
 
 
-def peak_flops(device_name: str) -> float | None:
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key.lower() in device_name.lower():
-            return tflops * 1e12
-    return None
-
-
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, lc, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """`learner.lr_schedule` from transformers' schedules (LambdaLRs, checkpointed with the optimizer):
-    constant -> `constant_with_warmup`; linear / cosine -> `warmup_stable_decay` with no stable phase,
-    decaying from `lr` after the warm-up to `lr * min_lr_ratio` at `total_steps` (run.steps; a resume to a
-    larger run.steps stretches the decay from where it is). Schedule positions count optimizer steps."""
-    from transformers import get_scheduler
-
-    if lc.lr_schedule == "constant":
-        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=lc.warmup_steps)
-    decay = max(1, total_steps - lc.warmup_steps)
-    return get_scheduler("warmup_stable_decay", optimizer, num_warmup_steps=lc.warmup_steps, scheduler_specific_kwargs={
-        "num_stable_steps": 0, "num_decay_steps": decay, "decay_type": lc.lr_schedule, "min_lr_ratio": lc.min_lr_ratio})
-
-
-def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
-    """Greedy packing of row indices (longest first) so rows x longest row stays within `max_tokens`.
-
-    A row longer than the budget goes alone in its own micro-batch.
-    """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in np.argsort(-np.asarray(lengths), kind="stable"):
-        n = int(lengths[i])
-        if current and (len(current) + 1) * max(longest, n) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(int(i))
-        longest = max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
-
-
-class LearnerWorker:
+class LearnerWorker(WeightExport):
     """One FSDP2 rank. See the module docstring for the step."""
 
     def __init__(
@@ -124,7 +67,7 @@ class LearnerWorker:
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
     ) -> None:
-        from async_april.hub import model_path_on_this_node
+        from async_april.models.paths import model_path_on_this_node
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model_path = str(model_path_on_this_node(cfg.model, model_path))  # a hub ID resolves per node
@@ -345,84 +288,6 @@ class LearnerWorker:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 1e9
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-    # ------------------------------------------------------------- weights out
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 CPU tensors on rank 0, {} elsewhere. Collective."""
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.rank == 0 else {}
-
-    def full_optimizer_state_dict(self) -> dict[str, Any]:
-        """Full optimizer state (CPU) on rank 0, {} elsewhere. Collective; for tests and tools."""
-        osd = get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return osd if self.rank == 0 else {}
-
-    def weight_specs(self) -> list[TensorSpec]:
-        """Name, export dtype and full shape of every tensor sent to the engines, in send order."""
-        dtype = getattr(torch, self.cfg.model.dtype)
-        # Tied parameters (lm_head = embed_tokens) travel once, under their first name: engines
-        # share the storage too (TorchEngine covers them by identity, SGLang skips a tied lm_head).
-        every = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        tied = every - {n for n, _ in self.model.named_parameters()}
-        return [
-            TensorSpec(name, str(dtype if t.is_floating_point() else t.dtype).removeprefix("torch."), tuple(t.shape))
-            for name, t in self.model.state_dict().items()
-            if name not in tied
-        ]
-
-    def iter_weight_buckets(self, bucket_mb: float, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-        """Yield full-weight buckets (rank 0 gets tensors, other ranks empty dicts). Collective.
-
-        Tensors are gathered one at a time in bucket order, so rank 0 holds at
-        most one bucket of full tensors at once.
-        """
-        sd = self.model.state_dict()
-        for bucket in plan_buckets(self.weight_specs(), bucket_mb):
-            out: dict[str, torch.Tensor] = {}
-            for spec in bucket:
-                t = sd[spec.name]
-                full = t.full_tensor() if isinstance(t, DTensor) else t
-                if self.rank == 0:
-                    out[spec.name] = full.detach().to(device=device, dtype=getattr(torch, spec.dtype))
-            yield out
-
-    def weight_buckets(self, bucket_mb: float) -> list[Any]:
-        """Put each bucket in the Ray object store; rank 0 returns the ObjectRefs in order, others []."""
-        import ray
-
-        refs = []
-        for bucket in self.iter_weight_buckets(bucket_mb):
-            if self.rank == 0:
-                refs.append(ray.put(bucket))
-        return refs
-
-    def write_weights(self, root: str, bucket_mb: float, version: int) -> str | None:
-        """Disk transport: rank 0 writes safetensors buckets + manifest under root/v{version}. Collective."""
-        from learners.weight_sync import DiskBucketWriter
-
-        writer = DiskBucketWriter(root, version) if self.rank == 0 else None
-        for bucket in self.iter_weight_buckets(bucket_mb):
-            if writer is not None:
-                writer.add(bucket)
-        return writer.commit() if writer is not None else None
-
-    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
-        """NCCL transport, rank 0 only: join the learner->engines broadcast group as its rank 0."""
-        from learners.weight_sync import init_broadcast_group
-
-        if self.rank == 0:
-            self._bcast_group = init_broadcast_group(master_addr, master_port, world_size, 0, group_name)
-
-    def broadcast_weights(self, bucket_mb: float) -> None:
-        """NCCL transport: gather each bucket (all ranks), rank 0 broadcasts it to the engines."""
-        for bucket in self.iter_weight_buckets(bucket_mb, device=str(self.device)):
-            if self.rank == 0:
-                for t in bucket.values():
-                    dist.broadcast(t, src=0, group=self._bcast_group)
-                torch.cuda.synchronize()
 
     # ------------------------------------------------------------ checkpoints
 

@@ -572,7 +572,7 @@ def test_a_multi_turn_run_trains_through_ray(tmp_path, model_dir, ray_cluster):
     without the ~10 s of starting its Ray process.)"""
     import json
 
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     cfg = load_config("configs/tiny_cpu_multiturn.yaml", [
         f"run.dir={tmp_path}/run", "run.steps=2", f"model.path={model_dir}", "run.pin_cpus=false",

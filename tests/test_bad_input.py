@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from async_april import cli
+from async_april.launch import cli
 from async_april.checkpointing import CheckpointManager
 from async_april.models.tiny import ensure_tiny_model
 

@@ -48,7 +48,7 @@ def test_pinned_run_puts_the_engine_alone_on_its_core(tmp_path):
     import ray
 
     from async_april.config import load_config
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     before = process_cores()
     cores = sorted(before)

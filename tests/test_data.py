@@ -197,7 +197,7 @@ def test_stream_is_infinite_and_reshuffled_per_epoch():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from async_april.train import init_ray
+    from async_april.launch.controller import init_ray
 
     import ray
 
@@ -235,7 +235,7 @@ def test_jsonl_and_parquet_files_give_the_same_prompts(tmp_path, tok):
 
 
 def test_dataset_file_drives_a_short_run(tmp_path, ray_cluster):
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     kind = "jsonl"
     path = reverse_rows_file(tmp_path, kind)

@@ -40,7 +40,7 @@ def cli_env(tmp_path: Path) -> dict:
 def train_cli(tmp_path: Path, config: Path, *overrides: str, timeout: int = 400) -> tuple[subprocess.CompletedProcess, Path]:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "async_april.cli", "train", str(config), f"run.dir={run_dir}", *SMALL, *overrides],
+        [sys.executable, "-m", "async_april.launch.cli", "train", str(config), f"run.dir={run_dir}", *SMALL, *overrides],
         cwd=REPO, env=cli_env(tmp_path), capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -88,7 +88,7 @@ def test_a_second_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(syn
     _, run_dir, config, tmp = sync_cli_run
     before = snapshot(run_dir)
     proc = subprocess.run(
-        [sys.executable, "-m", "async_april.cli", "train", str(config), f"run.dir={run_dir}", *SMALL, "run.steps=3"],
+        [sys.executable, "-m", "async_april.launch.cli", "train", str(config), f"run.dir={run_dir}", *SMALL, "run.steps=3"],
         cwd=REPO, env=cli_env(tmp), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert re.search(rf"^error: run.dir {run_dir} already holds a run \(metrics.jsonl has 3 rows; checkpoint "
@@ -104,7 +104,7 @@ def async_run_stopped_by_sigterm(tmp_path_factory):
     process continues it with `run.resume=auto` for two more steps."""
     tmp = tmp_path_factory.mktemp("async")
     run_dir, config = tmp / "run", mode_config(tmp, "async")
-    cmd = [sys.executable, "-m", "async_april.cli", "train", str(config), f"run.dir={run_dir}", *SMALL,
+    cmd = [sys.executable, "-m", "async_april.launch.cli", "train", str(config), f"run.dir={run_dir}", *SMALL,
            "async.max_staleness=1", "run.steps=40"]
     with open(tmp / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(tmp), stdout=subprocess.PIPE, stderr=err, text=True)

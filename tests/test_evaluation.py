@@ -90,7 +90,7 @@ def test_eval_config_errors_name_the_key():
 ])
 def test_lr_schedules_warm_up_and_decay_to_the_minimum(schedule, expected):
     from async_april import state_codec
-    from learners.worker import make_lr_scheduler
+    from learners.optim import make_lr_scheduler
 
     lc = config_from_dict({"learner": {"lr": 1.0, "lr_schedule": schedule, "warmup_steps": 2, "min_lr_ratio": 0.1}}).learner
 
@@ -131,7 +131,7 @@ def _roundtrip(obj):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
 
     return resolve_model_path("builtin:tiny-reverse", "~/.cache/async_april")
 
@@ -141,7 +141,7 @@ def test_one_evaluation_uses_one_version_for_all_its_samples(tiny_model, tmp_pat
     weights (version on every token), and each gives exactly what it gives alone."""
     from actors.evaluation import EvalActor
     from async_april.evaluation import load_eval_sets
-    from async_april.resolve import load_tokenizer
+    from async_april.launch.resolve import load_tokenizer
     from learners.weight_sync import DiskBucketWriter
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +184,7 @@ def rows(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
     """2 steps, eval every 2 plus before the first and after the last step; then resumed to step 4."""
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     run_dir = tmp_path_factory.mktemp("eval") / "run"
     seen: dict = {"prompts": [], "weights": None}
@@ -202,7 +202,7 @@ def trained(ray_cluster, tmp_path_factory):
 
 def test_eval_samples_never_reach_the_learner(trained, tiny_model):
     from async_april.evaluation import load_eval_sets
-    from async_april.resolve import load_tokenizer
+    from async_april.launch.resolve import load_tokenizer
 
     run_dir, first, _, seen = trained
     cfg = make_cfg(run_dir)
@@ -238,7 +238,7 @@ def test_evaluations_are_at_one_version_each_and_the_resume_continues_the_schedu
 def test_export_then_load_gives_the_learners_weights(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from async_april.export import export_checkpoint
+    from async_april.launch.export import export_checkpoint
 
     run_dir, _, _, seen = trained
     out = export_checkpoint(run_dir / "checkpoints/step_00000004", tmp_path / "hf")
@@ -252,7 +252,7 @@ def test_export_then_load_gives_the_learners_weights(trained, tmp_path):
 
 def test_eval_command_reproduces_the_final_evaluation(trained):
     """`async-april eval` on the last checkpoint: the numbers the run logged for that version (same seeds)."""
-    from async_april.eval_command import evaluate_checkpoint
+    from async_april.launch.eval_command import evaluate_checkpoint
 
     run_dir, _, resumed, _ = trained
     got = evaluate_checkpoint(make_cfg(run_dir), run_dir)
@@ -278,14 +278,14 @@ def test_plot_places_eval_reward_at_the_version_it_evaluated(trained, tmp_path):
     (["export", "configs", "/tmp/out"], "CHECKPOINT 'configs' is neither a run checkpoint"),
 ])
 def test_eval_and_export_bad_input_is_one_line_exit_2(args, message):
-    proc = subprocess.run([sys.executable, "-m", "async_april.cli", *args], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "async_april.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"error: {message}"), proc.stderr
 
 
 def test_export_refuses_a_non_empty_out_dir_and_touches_nothing(trained, tmp_path):
-    from async_april import cli
+    from async_april.launch import cli
 
     run_dir = trained[0]
     (tmp_path / "keep.txt").write_text("mine")
@@ -294,7 +294,7 @@ def test_export_refuses_a_non_empty_out_dir_and_touches_nothing(trained, tmp_pat
 
 
 def test_eval_and_export_have_help(capsys):
-    from async_april import cli
+    from async_april.launch import cli
 
     for cmd, want in (("eval", "CHECKPOINT"), ("export", "OUT_DIR")):
         with pytest.raises(SystemExit) as e:

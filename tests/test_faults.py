@@ -22,8 +22,8 @@ import torch
 
 from async_april.checkpointing import CheckpointManager
 from async_april.config import ConfigError, load_config
-from async_april.models.tiny import resolve_model_path
-from async_april.train import init_ray, train
+from async_april.models.paths import resolve_model_path
+from async_april.launch.controller import init_ray, train
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=24", "rollout.concurrency=16",

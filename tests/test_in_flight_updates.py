@@ -12,7 +12,7 @@ import pytest
 
 from actors.engine import GenerateRequest, SamplingParams
 from actors.engines.simulated import SimulatedEngine
-from async_april.algorithms.losses import staleness_metrics
+from async_april.algorithms.metrics import staleness_metrics
 from async_april.config import load_config
 from async_april.trajectory import Sample
 from tests.test_store import finish, make_store
@@ -94,7 +94,7 @@ def test_the_generation_actor_continues_or_interrupts_and_counts_reprefill(tmp_p
     re-prefilled; with interrupt they are resumed and every resume's prompt + partial is counted."""
     from learners.simulated import SimulatedLearner
 
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     cfg = load_config("configs/presets/async.yaml", [
         f"run.dir={tmp_path}/run", "run.steps=3", "rollout.engine=simulated", "rollout.simulated_lengths=lognormal",

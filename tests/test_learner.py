@@ -18,7 +18,8 @@ import torch
 from async_april.batch import TrainBatch
 from async_april.config import Config, config_from_dict
 from learners.logprobs import collate, response_logprobs, token_logprobs
-from learners.worker import LearnerWorker, pack_micro_batches
+from learners.update import pack_micro_batches
+from learners.worker import LearnerWorker
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)

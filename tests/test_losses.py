@@ -15,8 +15,8 @@ from async_april.algorithms.losses import (
     LossSettings,
     merge_metrics,
     policy_loss,
-    staleness_metrics,
 )
+from async_april.algorithms.metrics import staleness_metrics
 from async_april.config import AlgorithmConfig
 
 F64 = torch.float64

@@ -158,7 +158,7 @@ def test_recipe_passes_async_april_check(path, substitutes, monkeypatch, capsys,
     """`async-april check RECIPE` offline: the recipe's hub model ID resolves through the cache,
     its data columns map and tokenise, its rewards import; only data.source and run.dir are
     overridden (no dataset hub here). Resources are checked where RAY_ADDRESS names a cluster."""
-    from async_april.cli import main
+    from async_april.launch.cli import main
 
     root, data, ids = substitutes
     monkeypatch.setenv("HF_HUB_CACHE", str(root / "hub"))
@@ -176,7 +176,7 @@ def test_recipe_passes_async_april_check(path, substitutes, monkeypatch, capsys,
 
 
 def test_check_refuses_a_config_asking_for_more_gpus_than_the_cluster_has():
-    from async_april.resolve import ResourceError, check_gpu_resources, gpus_needed
+    from async_april.launch.resolve import ResourceError, check_gpu_resources, gpus_needed
 
     cfg = load_config(REPO / "configs/recipes/qwen3-4b_dapo_8gpu_april.yaml")
     assert gpus_needed(cfg) == 8

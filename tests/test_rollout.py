@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from async_april.config import load_config
-from async_april.train import train
+from async_april.launch.controller import train
 
 REPO_CONFIG = "configs/tiny_cpu.yaml"
 SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_tokens=32", "rollout.concurrency=16", "logging.wandb=disabled"]
@@ -30,7 +30,7 @@ def run_and_capture(tmp_path, overrides):
 def load_model(cfg, weights=None):
     from transformers import AutoModelForCausalLM
 
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)), dtype=torch.float32)
     if weights is not None:
@@ -85,7 +85,7 @@ def sync_reference(cfg, steps):
     from async_april.algorithms.advantages import compute_advantages
     from async_april.batch import build_train_batch
     from async_april.data import load_prompts
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
     from async_april.rewards import get_reward_fn
     from async_april.trajectory import Group, Sample
     from learners.worker import LearnerWorker

@@ -274,7 +274,7 @@ def test_3_a_neighbours_server_on_our_port_is_refused(model_dir, monkeypatch):
 # ---------------------------------------------------------------------- 5. seeds and the logprob convention
 def test_5_server_without_deterministic_flag_and_pre_temperature_logprobs_are_refused(model_dir, monkeypatch):
     from async_april.errors import UserError
-    from async_april.resolve import check_engine_environment
+    from async_april.launch.resolve import check_engine_environment
 
     srv = StandinServer(model_dir, deterministic=False, max_running=8)
     srv.start()
@@ -422,7 +422,7 @@ def hub_layout(cache: Path, repo: str, model_dir: str, commit: str = "0123456789
 
 def test_8_model_path_takes_a_hub_id_through_the_cache(tmp_path, monkeypatch, model_dir):
     from async_april.errors import ModelError
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
 
     cache = tmp_path / "hub"
     snap = hub_layout(cache, "tiny-org/tiny-model", model_dir)

@@ -12,8 +12,8 @@ from async_april.models.tiny import (
     build_random_tiny_model,
     build_tokenizer,
     ensure_tiny_model,
-    resolve_model_path,
 )
+from async_april.models.paths import resolve_model_path
 
 torch.set_num_threads(1)
 
@@ -98,7 +98,7 @@ def test_full_build_leaves_room_for_rl(tmp_path):
 def test_multi_turn_warm_start_covers_the_turn_format(tmp_path):
     """builtin:tiny-reverse-turns: its own cache entry, trained on whole episodes with labels on the
     model's replies (and their EOS) only, never on the environment's chunks."""
-    from async_april.models.tiny import _sft_sequence
+    from async_april.models.warm_start import sft_sequence as _sft_sequence
 
     tok = build_tokenizer()
     ids, labels = _sft_sequence(tok, {"prompt": "314=", "answer": "314,15", "chunks": ["314", "15"]})

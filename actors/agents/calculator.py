@@ -29,7 +29,7 @@ import re
 import numpy as np
 
 from actors.agents.chat import ChatTurns
-from actors.agents.env import EnvRow, Environment, Reset, Step
+from async_april.environment import EnvRow, Environment, Reset, Step
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

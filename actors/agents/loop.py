@@ -44,8 +44,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.agents.env import EnvRow, Reset, Step
-from actors.agents.runner import in_thread
+from actors.agents.threads import in_thread
+from async_april.environment import EnvRow, Reset, Step
 
 
 class _TurnNeeded(BaseException):
@@ -193,7 +193,7 @@ class AgentLoopEnv:
 
 async def _run_bounded(fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float | None) -> Any:
     """fn(*args, **kwargs), awaited if it is a coroutine; TimeoutError past `timeout_s`. A plain function
-    with a timeout runs in a daemon thread of its own (the runner's `in_thread`), left to finish if it
+    with a timeout runs in a daemon thread of its own (`actors/agents/threads.py` `in_thread`), left to finish if it
     overruns (Python threads cannot be killed), so a hung tool holds neither this step nor the exit."""
     if timeout_s is None:
         result = fn(*args, **kwargs)

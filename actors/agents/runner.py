@@ -24,41 +24,21 @@ version the engine recorded; environment tokens are masked out of training.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import Counter
 from typing import Any, Callable
 
 import numpy as np
 
-from actors.agents.env import EnvRow, Step, on_failure
-from actors.engine import settle_future
+from actors.agents.env import make_env
+from actors.agents.threads import in_thread
+from async_april.environment import EnvRow, Step, on_failure
 from async_april.config import Config
 from async_april.trajectory import Sample
 
 
 class StepAborted(Exception):
     """An abort arrived while an environment step was waiting or running."""
-
-
-def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
-    """Run fn(*args, **kwargs) in a daemon thread of its own; an asyncio future of its result. A thread
-    per call (not a pool): a step that never returns must not take a pool worker from later steps."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def target() -> None:
-        try:
-            value, exc = fn(*args, **kwargs), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            value, exc = None, e
-        try:
-            loop.call_soon_threadsafe(settle_future, fut, value, exc)
-        except RuntimeError:  # the loop closed while a timed-out step was still running
-            pass
-
-    threading.Thread(target=target, name="env-step", daemon=True).start()
-    return fut
 
 
 class AgentRunner:
@@ -216,8 +196,6 @@ def build_agent(cfg: Config, tokenizer: Any, engine: Any, make_request: Callable
     """The turn loop for `rollout.env` on `engine` (the environment built with the tokenizer and
     `rollout.agent.env_args`), and the stop tokens its turns end at: `stop_token_ids` plus the
     environment's `turn_end_ids`. Shared by the generation and evaluation actors."""
-    from actors.agents.env import make_env
-
     env = make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args)
     stops = tuple(dict.fromkeys(stop_token_ids + tuple(int(t) for t in getattr(env, "turn_end_ids", ()))))
     return AgentRunner(cfg, env, engine, make_request, aborting), stops

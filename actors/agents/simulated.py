@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from actors.agents.env import EnvRow, Environment, Reset, Step
+from async_april.environment import EnvRow, Environment, Reset, Step
 from actors.engines.simulated import ToolLatency
 
 

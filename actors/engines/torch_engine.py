@@ -14,7 +14,7 @@ cache of rows still running with the new weights (a re-prefill, counted);
 tokens fed after the load go through the new weights.
 
 The running batch is one left-padded `DynamicCache` ([B, H, T, D] per layer)
-plus a [B, T] attention mask. New requests are prefilled as their own
+plus a [B, T] attention mask (its tensor operations: actors/engines/torch_batch.py). New requests are prefilled as their own
 left-padded batch and merged in by left-padding whichever cache is shorter;
 finished rows are dropped with `index_select` and all-pad leading columns are
 trimmed. Position ids are per row (count of real tokens), so padding never
@@ -43,7 +43,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, SamplingParams, WeightBucket, settle_future
+from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, WeightBucket, settle_future
+from actors.engines.torch_batch import left_padded, merge_kv, select_kv, stage_weight_update, top_k_top_p
 
 ADMIT_EVERY_STEPS = 4
 """While rows are running, waiting requests wait at most this many decode steps to be prefilled,
@@ -270,27 +271,7 @@ class TorchEngine:
         """All or nothing: every bucket is received and checked (names, shapes, dtypes, coverage)
         before any weight is copied, so a failed update leaves the model and its version as they
         were. Costs one staged copy of the weights in host memory during the update."""
-        named = dict(self.model.named_parameters(remove_duplicate=False))
-        named.update(dict(self.model.named_buffers()))
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        covered: set[int] = set()
-        for bucket in buckets:  # a transport that fails mid-stream raises here, before any copy
-            for name, tensor in bucket.items():
-                p = named.get(name)
-                if p is None:
-                    raise KeyError(f"weight update: {name!r} is not a parameter of the engine's model")
-                if p.shape != tensor.shape:
-                    raise ValueError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, model has {tuple(p.shape)}")
-                if p.is_floating_point() != tensor.is_floating_point():
-                    raise ValueError(f"weight update: {name!r} has dtype {tensor.dtype}, model has {p.dtype}")
-                staged.append((p, tensor))
-                covered.add(id(p))
-        missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
-        if missing:
-            raise ValueError(
-                f"weight update to version {version} left {len(missing)} parameters unchanged "
-                f"(e.g. {missing[:3]}); send every parameter of the model"
-            )
+        staged = stage_weight_update(self.model, buckets, version)
         for p, tensor in staged:
             p.data.copy_(tensor.to(device=p.device, dtype=p.dtype), non_blocking=True)
         self._version = version
@@ -311,14 +292,9 @@ class TorchEngine:
 
         seqs = [np.concatenate([np.asarray(r.req.input_ids, np.int64), np.asarray(r.ids[:-1], np.int64)])
                 for r in self._running]
-        T = max(len(x) for x in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        for i, (r, x) in enumerate(zip(self._running, seqs)):
-            ids[i, T - len(x) :] = torch.as_tensor(x)
-            mask[i, T - len(x) :] = 1
+        ids, mask = left_padded(seqs, self.device)
+        for r, x in zip(self._running, seqs):
             r.length = len(x)
-        ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
                    use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
@@ -353,14 +329,9 @@ class TorchEngine:
         from transformers import DynamicCache
 
         lens = [len(r.req.input_ids) for r in rows]
-        T = max(lens)
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, T - lens[i] :] = torch.as_tensor(np.asarray(r.req.input_ids), dtype=torch.long)
-            mask[i, T - lens[i] :] = 1
-            r.length = lens[i]
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = left_padded([np.asarray(r.req.input_ids, np.int64) for r in rows], self.device)
+        for r, n in zip(rows, lens):
+            r.length = n
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -373,12 +344,7 @@ class TorchEngine:
         if not self._running:
             self._running, self._cache, self._mask = list(rows), cache, mask
             return
-        T_old, T_new = self._mask.shape[1], mask.shape[1]
-        T = max(T_old, T_new)
-        for old, new in zip(self._cache.layers, cache.layers):
-            old.keys = torch.cat([_lpad(old.keys, T), _lpad(new.keys, T)], 0)
-            old.values = torch.cat([_lpad(old.values, T), _lpad(new.values, T)], 0)
-        self._mask = torch.cat([_lpad(self._mask, T, dim=1), _lpad(mask, T, dim=1)], 0)
+        self._mask = merge_kv(self._cache, self._mask, cache, mask)
         self._running.extend(rows)
 
     def _decode_step(self) -> None:
@@ -414,7 +380,7 @@ class TorchEngine:
             if greedy[i]:
                 tokens.append(int(logp[i].argmax()))
                 continue
-            lp = _filter(logp[i], sp) if (sp.top_k > 0 or sp.top_p < 1.0) else logp[i]
+            lp = top_k_top_p(logp[i], sp.top_k, sp.top_p) if (sp.top_k > 0 or sp.top_p < 1.0) else logp[i]
             tokens.append(int(torch.multinomial(lp.exp(), 1, generator=r.gen)))
         picked = logp[torch.arange(len(rows)), torch.tensor(tokens)].tolist()
         self._stats.generated_tokens += len(rows)
@@ -439,13 +405,7 @@ class TorchEngine:
         if not keep:
             self._cache, self._mask = None, None
             return
-        idx = torch.tensor(keep, device=self.device)
-        mask = self._mask.index_select(0, idx)
-        lead = int((mask.sum(0) == 0).long().cumprod(0).sum())  # all-pad leading columns
-        self._mask = mask[:, lead:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, idx)[:, :, lead:]
-            layer.values = layer.values.index_select(0, idx)[:, :, lead:]
+        self._mask = select_kv(self._cache, self._mask, keep)
 
     def _finish(self, r: _Row, reason: str) -> None:
         res = GenerateResult(
@@ -457,28 +417,3 @@ class TorchEngine:
             prompt_tokens=len(r.req.input_ids),
         )
         r.loop.call_soon_threadsafe(settle_future, r.fut, res, None)
-
-
-def _lpad(x: torch.Tensor, T: int, dim: int = 2) -> torch.Tensor:
-    """Left-pad `x` with zeros along `dim` to length T."""
-    n = T - x.shape[dim]
-    if n <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n
-    return torch.cat([x.new_zeros(shape), x], dim)
-
-
-def _filter(logp: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Top-k then top-p on one row of logprobs; removed entries become -inf (sampling only)."""
-    out = logp
-    if sp.top_k > 0 and sp.top_k < out.numel():
-        kth = torch.topk(out, sp.top_k).values[-1]
-        out = out.masked_fill(out < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sorted_lp, order = torch.sort(out, descending=True)
-        cum = sorted_lp.exp().cumsum(0)
-        drop = cum - sorted_lp.exp() > sp.top_p  # keep the smallest prefix reaching top_p
-        out = out.clone()
-        out[order[drop]] = float("-inf")
-    return out

@@ -10,6 +10,10 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name):
+    if name == "resolve_model_path":
+        from async_april.models import paths
+
+        return paths.resolve_model_path
     if name in _EXPORTS:
         from async_april.models import tiny
 

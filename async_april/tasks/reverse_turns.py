@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.agents.env import EnvRow, Environment, Reset, Step
+from async_april.environment import EnvRow, Environment, Reset, Step
 from async_april.rewards.reverse import reverse_match
 
 CHUNKS = (2, 4)

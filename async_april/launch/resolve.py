@@ -74,7 +74,7 @@ class Resolved:
 
 def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
     """Check `cfg` against the world (see the module docstring); `sample_rows` limits the data read."""
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
 
     run_dir = rundir.absolute_run_dir(cfg)
     cfg = cfg.model_copy(deep=True)

@@ -56,7 +56,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     from transformers import AutoConfig  # torch and transformers only once the input is known good
 
-    from async_april.models.tiny import resolve_model_path
+    from async_april.models.paths import resolve_model_path
     from learners.checkpoint import full_model_state
     from learners.hf_dir import write_hf_dir
 

@@ -25,9 +25,9 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict[str, float]:
     """Metrics of CHECKPOINT on `cfg.eval.datasets` (see the module docstring)."""
     from async_april.data import load_prompts
     from async_april.evaluation import load_eval_sets, summarize
-    from async_april.export import export_checkpoint, open_checkpoint
+    from async_april.launch.export import export_checkpoint, open_checkpoint
     from async_april.rewards import get_reward_fn
-    from async_april.resolve import load_tokenizer
+    from async_april.launch.resolve import load_tokenizer
 
     if not cfg.eval.datasets:
         raise UserError("eval.datasets is empty: nothing to evaluate; add a held-out set to the config's `eval` section "
@@ -63,7 +63,7 @@ async def _run(cfg, model_path: str, sets, version: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from async_april.cli import OVERRIDES_HELP
+    from async_april.config import OVERRIDES_HELP
     from async_april.config import load_config
 
     ap = argparse.ArgumentParser(prog="async-april eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,9 +20,8 @@ import argparse
 import logging
 import sys
 
+from async_april.config import OVERRIDES_HELP
 from async_april.errors import UserError, one_line
-
-OVERRIDES_HELP = "dotted overrides, e.g. rollout.n_samples=4 async.max_staleness=2 (docs/configuration.md)"
 
 
 def version() -> str:
@@ -81,11 +80,11 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
         return build_main(rest)
     if args.command == "eval":
-        from async_april.eval_command import main as eval_main
+        from async_april.launch.eval_command import main as eval_main
 
         return eval_main(rest)
     if args.command == "export":
-        from async_april.export import main as export_main
+        from async_april.launch.export import main as export_main
 
         return export_main(rest)
     if args.command == "plot":
@@ -100,7 +99,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         import yaml
 
         from async_april.console import say
-        from async_april.resolve import CHECK_ROWS, check_gpu_resources, cluster_gpus_if_reachable, gpus_needed, resolve
+        from async_april.launch.resolve import CHECK_ROWS, check_gpu_resources, cluster_gpus_if_reachable, gpus_needed, resolve
 
         r = resolve(cfg, sample_rows=CHECK_ROWS)
         for line in r.describe():
@@ -114,7 +113,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         print(yaml.safe_dump(r.cfg.to_yaml_dict(), sort_keys=False))
         say(f"ok: {args.config} resolves (data: first {CHECK_ROWS} rows checked)")
         return 0
-    from async_april.train import train
+    from async_april.launch.controller import train
 
     try:
         train(cfg)

@@ -1,0 +1,102 @@
+"""The torch engine's tensor operations: a left-padded KV batch, sampling filters, weight staging.
+
+Pure functions over tensors (and a model's parameters), so actors/engines/torch_engine.py keeps only
+its loop. The running batch is a `DynamicCache` ([B, H, T, D] per layer) plus a [B, T] attention mask,
+both left-padded: new rows are merged by left-padding whichever side is shorter, finished rows are
+dropped with `index_select` and all-pad leading columns trimmed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from actors.engine import WeightBucket
+
+
+def lpad(x: torch.Tensor, T: int, dim: int = 2) -> torch.Tensor:
+    """Left-pad `x` with zeros along `dim` to length T."""
+    n = T - x.shape[dim]
+    if n <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim)
+
+
+def left_padded(seqs: list[np.ndarray], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows as one left-padded [B, T] batch and its attention mask, on `device`."""
+    T = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, T - len(x) :] = torch.as_tensor(np.asarray(x, np.int64))
+        mask[i, T - len(x) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def merge_kv(cache, mask: torch.Tensor, new_cache, new_mask: torch.Tensor) -> torch.Tensor:
+    """Append the rows of `new_cache` to `cache` in place (each side left-padded to the longer one);
+    returns the merged mask."""
+    T = max(mask.shape[1], new_mask.shape[1])
+    for old, new in zip(cache.layers, new_cache.layers):
+        old.keys = torch.cat([lpad(old.keys, T), lpad(new.keys, T)], 0)
+        old.values = torch.cat([lpad(old.values, T), lpad(new.values, T)], 0)
+    return torch.cat([lpad(mask, T, dim=1), lpad(new_mask, T, dim=1)], 0)
+
+
+def select_kv(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """Keep rows `keep` of `cache` in place and trim the columns that are padding in every kept row;
+    returns the kept rows' mask."""
+    idx = torch.tensor(keep, device=mask.device)
+    mask = mask.index_select(0, idx)
+    lead = int((mask.sum(0) == 0).long().cumprod(0).sum())  # all-pad leading columns
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, idx)[:, :, lead:]
+        layer.values = layer.values.index_select(0, idx)[:, :, lead:]
+    return mask[:, lead:]
+
+
+def top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p on one row of logprobs; removed entries become -inf (sampling only)."""
+    out = logp
+    if top_k > 0 and top_k < out.numel():
+        kth = torch.topk(out, top_k).values[-1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(out, descending=True)
+        cum = sorted_lp.exp().cumsum(0)
+        drop = cum - sorted_lp.exp() > top_p  # keep the smallest prefix reaching top_p
+        out = out.clone()
+        out[order[drop]] = float("-inf")
+    return out
+
+
+def stage_weight_update(model: torch.nn.Module, buckets: Iterable[WeightBucket],
+                        version: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every (parameter, new value) pair of an update, checked (names, shapes, dtypes, coverage) before
+    anything is copied, so a failed update leaves the model as it was. Raises on the first problem."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers()))
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    covered: set[int] = set()
+    for bucket in buckets:  # a transport that fails mid-stream raises here, before any copy
+        for name, tensor in bucket.items():
+            p = named.get(name)
+            if p is None:
+                raise KeyError(f"weight update: {name!r} is not a parameter of the engine's model")
+            if p.shape != tensor.shape:
+                raise ValueError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, model has {tuple(p.shape)}")
+            if p.is_floating_point() != tensor.is_floating_point():
+                raise ValueError(f"weight update: {name!r} has dtype {tensor.dtype}, model has {p.dtype}")
+            staged.append((p, tensor))
+            covered.add(id(p))
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(
+            f"weight update to version {version} left {len(missing)} parameters unchanged "
+            f"(e.g. {missing[:3]}); send every parameter of the model"
+        )
+    return staged

@@ -1,0 +1,142 @@
+"""Generation: engines (SGLang included), multi-turn agents, staleness limits."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from async_april.config.base import Section
+
+
+class SGLangConfig(Section):
+    """How each generation actor runs (or reaches) its SGLang server; see docs/engines.md."""
+
+    url: str | None = None
+    """URL of a running server to attach to (one actor per server); None: each actor launches its own server on loopback."""
+    tp_size: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of each server (`--tp-size`); `rollout.gpus_per_actor` must cover it. Weight payloads and the NCCL group count one rank per TP rank."""
+    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    """GPU memory fraction SGLang reserves for weights and KV cache (`--mem-fraction-static`); ~0.4 when the learner shares the GPU. None: SGLang's default."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `sglang.launch_server` flags, e.g. ["--attention-backend", "fa3"]. Flags this section sets itself are refused here."""
+    port_range: tuple[int, int] = (30000, 30999)
+    """Ports a launched server may take: each actor takes a free one of its own (held by a lock file, so actors on one node never share one)."""
+    deterministic: bool = True
+    """Per-request sampling seeds (reproducible samples): launch with `--enable-deterministic-inference`, without which SGLang ignores `sampling_seed`. False: no seeds are sent (faster kernels)."""
+    launch_module: str = "sglang.launch_server"
+    """Python module run as the server (`python -m MODULE --model-path ... --port ...`); a wrapper of your own, or the tests' stand-in."""
+    startup_timeout_s: float = Field(900.0, gt=0.0)
+    """Longest wait for a server's `/health` to answer 200 (loading a large model and capturing CUDA graphs takes minutes)."""
+    request_timeout_s: float = Field(3600.0, gt=0.0)
+    """Longest wait for one request before it counts as failed."""
+    retries: int = Field(5, ge=0)
+    """Retries with exponential backoff on connection errors before a clear error (never for `/generate`: a resend would sample a second response)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "SGLangConfig":
+        lo, hi = self.port_range
+        if not 1024 <= lo <= hi <= 65535:
+            raise ValueError(f"rollout.sglang.port_range {list(self.port_range)} must be [low, high] with 1024 <= low <= high <= 65535")
+        owned = {"--model-path", "--host", "--port", "--tp-size", "--tp", "--mem-fraction-static", "--weight-version",
+                 "--enable-deterministic-inference", "--skip-tokenizer-init"}
+        for arg in self.extra_args:
+            if arg.split("=", 1)[0] in owned:
+                raise ValueError(f"rollout.sglang.extra_args sets {arg.split('=', 1)[0]}, which async-april sets itself; "
+                                 "use the rollout.sglang key for it (tp_size, mem_fraction_static, deterministic, port_range) instead")
+        return self
+
+
+class AgentConfig(Section):
+    """Multi-turn rollouts with an environment (`rollout.env`); see docs/agents.md."""
+
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (it is called as `Class(tokenizer=..., **env_args)`; an agent loop reads them as `ctx.args`); plain data only."""
+    max_turns: int = Field(8, ge=1, le=10_000)
+    """Most model turns per response; a response that reaches it without the environment saying done ends with reason `length`."""
+    max_turn_tokens: int | None = Field(None, ge=1)
+    """Longest single model turn in tokens (a longer turn is cut and handed to the environment as it is); None: whatever `rollout.max_new_tokens` leaves. The whole response (model and environment tokens together) is capped by `rollout.max_new_tokens`."""
+    max_observation_tokens: int = Field(512, ge=0)
+    """Longest observation the environment may append after one turn; a longer one is treated as a failed step (the environment's `on_failure` chooses what happens, counted in agent/step_failures)."""
+    step_timeout_s: float = Field(30.0, gt=0.0, le=86400.0)
+    """Longest one environment step (a tool call) may run; past it the step counts as failed and the environment's `on_failure` observation is used. The step's thread is left to finish on its own (Python threads cannot be killed)."""
+    step_concurrency: int = Field(16, ge=1, le=4096)
+    """Environment steps running at once per generation actor, each in a thread of its own off the generation loop; more wait their turn. A timed-out step frees its slot."""
+
+
+MOVED_ROLLOUT_KEYS = {"sglang_url": "rollout.sglang.url", "request_timeout_s": "rollout.sglang.request_timeout_s",
+                      "retries": "rollout.sglang.retries"}
+"""Flat SGLang keys of earlier versions and where they live now."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["torch", "sglang", "simulated"] = "torch"
+    """Generation backend; see docs/engines.md."""
+    num_actors: int = Field(1, ge=1, le=1024)
+    """Generation actors (one engine each)."""
+    gpus_per_actor: float = Field(0.0, ge=0.0, le=64.0)
+    """GPUs Ray reserves for each generation actor (its engine; an SGLang server with tensor parallelism takes its tp size). 0 on CPU; fractions share a GPU with the learner."""
+    batch_groups: int = Field(16, ge=1)
+    """Prompts (groups) per learner step, B."""
+    n_samples: int = Field(8, ge=1, le=1024)
+    """Responses per prompt (group size n)."""
+    max_new_tokens: int = Field(48, ge=1)
+    """Longest response in tokens; longer ones finish with reason `length`."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature. The learner uses the same one for its logprobs."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling. Below 1 the recorded logprobs are not those of the sampled distribution (see docs)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling, -1 for off. Same caveat as `top_p`."""
+    concurrency: int = Field(64, ge=1)
+    """Requests in flight per engine."""
+    max_batch_tokens: int = Field(8192, ge=16)
+    """Torch engine: cap on tokens (prompt + generated) held by the running batch."""
+    over_provision: float = Field(1.0, ge=1.0, le=64.0)
+    """APRIL: groups launched per batch as a multiple of `batch_groups`; the rest are aborted and resumed later."""
+    early_stop: bool = False
+    """APRIL: once a batch is complete, abort in-flight requests; their partials resume first with the next weights."""
+    on_weight_update: Literal["interrupt", "drain", "continue"] = "drain"
+    """On new weights: abort in-flight requests and resume them with the new weights (re-prefilling them), finish them first, or `continue`: load between decode steps and keep their KV cache (every engine; SGLang pauses in place and loads without a flush; see docs/async.md)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (counted) and replace them with new prompts."""
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    """SGLang engine settings (ignored by the other engines)."""
+    max_actor_restarts: int = Field(3, ge=0)
+    """Times a dead generation actor is restarted (its leases go back to the store first); beyond that the run continues on the others."""
+    simulated_lengths: str = "lognormal"
+    """Simulated engine: response-length distribution (`lognormal`, `april`, `copris`, or a histogram file)."""
+    simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
+    """Simulated engine: real seconds per simulated second (0.01 runs 100x faster than the modelled GPU)."""
+    env: str | None = None
+    """Multi-turn rollouts: the environment class, `module:Class` (runs that code), an agent loop `module:function` (`async def loop(ctx, row)`, actors/agents/loop.py) or a built-in (`builtin:reverse_turns`, `builtin:simulated_tool`, `builtin:calculator`); None: single-turn. With an environment the response interleaves model turns and environment observations (loss mask 0), and the sample's reward is the sum of the environment's step rewards (an agent loop's: what it adds and returns) (`reward.functions` are not used). See docs/agents.md."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Turn, token, timeout and concurrency limits of multi-turn rollouts (used only with `env`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED_ROLLOUT_KEYS.items():
+                if old in data:
+                    raise ValueError(f"rollout.{old} has moved: set {new} instead")
+        return data
+
+    @model_validator(mode="after")
+    def _check_tp(self) -> "RolloutConfig":
+        s = self.sglang
+        if self.engine == "sglang" and s.url is None and s.tp_size > 1 and self.gpus_per_actor < s.tp_size:
+            raise ValueError(f"rollout.sglang.tp_size={s.tp_size} needs rollout.gpus_per_actor >= {s.tp_size} "
+                             f"(got {self.gpus_per_actor:g}): each actor's server spans tp_size GPUs")
+        return self
+
+
+class AsyncConfig(Section):
+    max_staleness: int = Field(0, ge=0, le=1000)
+    """eta: most policy versions a token may lag the learner; enforced by admission control."""
+    stale_policy: Literal["requeue", "drop"] = "requeue"
+    """A group that still exceeds eta when batched (rare: batches are chosen earliest deadline first):
+    regenerate it from its prompt (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""
+    max_requeues: int = Field(2, ge=0, le=1000)
+    """Times one prompt may be regenerated for staleness; past it the group is dropped (counted in
+    rollout/groups_dropped_requeue_limit), so a prompt whose responses always outlast eta cannot loop."""

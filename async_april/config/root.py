@@ -1,0 +1,78 @@
+"""`Config`: every section together, and the checks that span sections."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, Field, model_validator
+
+from async_april.config.base import Section
+from async_april.config.inputs import DataConfig, EvalConfig, ModelConfig, RewardConfig
+from async_april.config.learner import AlgorithmConfig, LearnerConfig, WeightSyncConfig
+from async_april.config.rollout import AsyncConfig, RolloutConfig
+from async_april.config.run import CheckpointConfig, LoggingConfig, RunConfig
+
+
+class Config(Section):
+    """The whole run configuration."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run-level settings."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt data."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward function."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation actors and engines."""
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    """Staleness limits."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages and policy loss."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """The FSDP2 learner."""
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """Weight broadcast to the engines."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Learner and rollout-store checkpoints."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training (docs/evaluation.md)."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metrics and progress output."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        r = self.rollout
+        if (r.top_p < 1.0 or r.top_k > 0) and self.algorithm.weight_bound != "none":
+            # Engines report log_softmax(logits / T) before top-k/top-p, as SGLang does, so the
+            # recorded behaviour logprob is not that of the truncated distribution actually
+            # sampled from and the importance weight would be biased.
+            raise ValueError(
+                "rollout.top_p < 1 or rollout.top_k > 0 makes the recorded behaviour logprobs differ "
+                "from the sampled distribution, which biases importance correction; set top_p=1 and "
+                "top_k=-1, or set algorithm.weight_bound=none to accept the bias"
+            )
+        if self.run.overwrite and self.run.resume is not None:
+            raise ValueError("run.overwrite=true starts from scratch and run.resume continues a run; set only one of them")
+        rows = r.batch_groups * r.n_samples
+        if self.learner.mini_batches > rows:
+            raise ValueError(
+                f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
+                f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
+            )
+        if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
+            raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(os.path.expanduser(self.run.dir.replace("${name}", self.run.name)))
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data, with `async` under its YAML name."""
+        return self.model_dump(mode="json", by_alias=True)
