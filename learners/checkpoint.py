@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from async_april import state_codec
@@ -78,8 +78,10 @@ def _store_shard(path: str, value: Any, arrays: dict) -> dict | None:
             "dtype": str(value.dtype).removeprefix("torch.")}
 
 
-def save(path: str | Path, model, optimizer, scheduler, rank: int, world_size: int, extra: dict[str, Any]) -> Path:
-    """Collective: every rank writes its shards and its small state."""
+def save(path: str | Path, model, optimizer, scheduler, rank: int, world_size: int, extra: dict[str, Any],
+         model_keys: frozenset[str] | None = None) -> Path:
+    """Collective: every rank writes its shards and its small state. `model_keys`: save only these model
+    tensors (LoRA: the adapters; the frozen base is model.path)."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -88,6 +90,8 @@ def save(path: str | Path, model, optimizer, scheduler, rank: int, world_size: i
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if model_keys is not None:
+        model_sd = {k: v for k, v in model_sd.items() if k in model_keys}
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state(), "extra": extra}
     state_codec.save(state, tmp, _rank_name(rank), hook=_store_shard, meta={"rank": rank, "world_size": world_size})
     dist.barrier()
@@ -143,13 +147,16 @@ class _Shards:
         return out
 
 
-def load(path: str | Path, model, optimizer, scheduler, rank: int) -> dict[str, Any]:
-    """Collective: restore model, optimizer, scheduler and RNG in place; return the small state."""
+def load(path: str | Path, model, optimizer, scheduler, rank: int, model_keys: frozenset[str] | None = None) -> dict[str, Any]:
+    """Collective: restore model, optimizer, scheduler and RNG in place; return the small state.
+    `model_keys`: the checkpoint holds exactly these model tensors (as saved with them); the rest stay."""
     path = Path(path)
     if not (path / "learner.json").is_file():
         raise FileNotFoundError(f"{path} is not a learner checkpoint (no learner.json); was the save interrupted?")
     saved_world = int(json.loads((path / "learner.json").read_text())["world_size"])
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if model_keys is not None:
+        model_sd = {k: v for k, v in model_sd.items() if k in model_keys}
     targets = _dtensors({"model": model_sd, "optim": optim_sd})
     shards = _Shards(path, saved_world)
 
@@ -166,7 +173,15 @@ def load(path: str | Path, model, optimizer, scheduler, rank: int) -> dict[str, 
 
     own = rank if rank < saved_world else 0
     state = state_codec.load(path, _rank_name(own), fetch=fetch)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if model_keys is None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        if set(state["model"]) != set(model_keys):
+            raise ValueError(f"learner checkpoint {path}: it holds {len(state['model'])} model tensors, this LoRA "
+                             f"learner trains {len(model_keys)} (e.g. {sorted(set(state['model']) ^ set(model_keys))[:2]}); "
+                             "resume with the learner.lora settings it was saved with")
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))  # the frozen base is not in it, by design
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state["extra"]

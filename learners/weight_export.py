@@ -2,7 +2,8 @@
 
 A mixin of `LearnerWorker` (learners/worker.py), kept apart because it is its own idea: how sharded
 parameters leave the learner, one bucket at a time, in the format of async_april/weight_buckets.py.
-It uses the worker's `cfg`, `model`, `optimizer`, `rank` and `device`. Every method is collective.
+It uses the worker's `cfg`, `model`, `optimizer`, `rank`, `device` and `lora` (None, or learners/lora.py's
+`LoraExport`: adapter factors or merged weights under the base model's names). Every method is collective.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class WeightExport:
     def weight_specs(self) -> list[TensorSpec]:
         """Name, export dtype and full shape of every tensor sent to the engines, in send order."""
         dtype = getattr(torch, self.cfg.model.dtype)
+        if self.lora is not None:  # adapters only, or merged weights under the base names (learners/lora.py)
+            return self.lora.specs(self.model, dtype)
         # Tied parameters (lm_head = embed_tokens) travel once, under their first name: engines
         # share the storage too (TorchEngine covers them by identity, SGLang skips a tied lm_head).
         every = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -56,8 +59,11 @@ class WeightExport:
         for bucket in plan_buckets(self.weight_specs(), bucket_mb):
             out: dict[str, torch.Tensor] = {}
             for spec in bucket:
-                t = sd[spec.name]
-                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if self.lora is not None:
+                    full = self.lora.full_tensor(sd, spec.name)
+                else:
+                    t = sd[spec.name]
+                    full = t.full_tensor() if isinstance(t, DTensor) else t
                 if self.rank == 0:
                     out[spec.name] = full.detach().to(device=device, dtype=getattr(torch, spec.dtype))
             yield out

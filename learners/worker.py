@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from learners import checkpoint as ckpt
+from learners import lora
 from learners.hf_dir import write_hf_dir
 from learners.logprobs import collate, response_logprobs
 from learners.optim import make_lr_scheduler, peak_flops
@@ -105,12 +106,15 @@ class LearnerWorker(WeightExport):
         model.train()
         self.mesh = make_mesh(self.device.type, world_size)
         gpu = self.device.type == "cuda"
+        self.lora = lora.LoraExport(lora.apply_lora(model, lc.lora), lc.lora, lora.sync_mode(cfg)) if lc.lora.enabled else None
+        if self.lora is not None and gpu:
+            lora.freeze_base_dtype(model, torch.bfloat16)  # frozen: no fp32 master copy needed
         self.model = parallelize(
             model, self.mesh, mixed_precision=gpu, activation_checkpointing=lc.activation_checkpointing, compile=lc.compile
         )
         self.ref_model = parallelize(ref, self.mesh, mixed_precision=gpu) if ref is not None else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=1e-8
+            [p for p in self.model.parameters() if p.requires_grad], lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=1e-8
         )
         self.scheduler = make_lr_scheduler(self.optimizer, lc, cfg.run.steps)
         from async_april.algorithms.losses import LossSettings
@@ -294,10 +298,17 @@ class LearnerWorker(WeightExport):
     def save_checkpoint(self, path: str) -> None:
         """Sharded model + optimizer and this rank's scheduler, RNG, step, version (safetensors + JSON). Collective."""
         extra = {"step": self.step, "version": self.version, "bad_steps": self.bad_steps}
-        ckpt.save(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, extra)
+        keys = None
+        if self.lora is not None:  # adapters + their optimizer state; the base is model.path, named by its hash
+            keys, extra[lora.BASE_HASH_KEY] = lora.trainable_keys(self.model), lora.base_model_hash(self.model_path)
+        ckpt.save(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, extra, model_keys=keys)
 
     def load_checkpoint(self, path: str) -> dict[str, int]:
-        extra = ckpt.load(path, self.model, self.optimizer, self.scheduler, self.rank)
+        keys = None
+        if self.lora is not None:
+            lora.check_base(lora.json_meta(path).get(lora.BASE_HASH_KEY), self.model_path, f"learner checkpoint {path}")
+            keys = lora.trainable_keys(self.model)
+        extra = ckpt.load(path, self.model, self.optimizer, self.scheduler, self.rank, model_keys=keys)
         self.step, self.version, self.bad_steps = int(extra["step"]), int(extra["version"]), int(extra["bad_steps"])
         return {"step": self.step, "version": self.version}
 
@@ -306,6 +317,8 @@ class LearnerWorker(WeightExport):
         sd = self.full_state_dict()
         if self.rank != 0:
             return None
+        if self.lora is not None:
+            sd = lora.merged_state(sd, self.lora.scale)
         return str(write_hf_dir(sd, self.hf_config, self.model_path, path, self.cfg.model.dtype))
 
     # ----------------------------------------------------------------- misc

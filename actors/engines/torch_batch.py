@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from actors.engine import WeightBucket
+from async_april.lora_weights import is_adapter_name, merge_lora, pair_adapters
 
 
 def lpad(x: torch.Tensor, T: int, dim: int = 2) -> torch.Tensor:
@@ -74,16 +75,23 @@ def top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return out
 
 
-def stage_weight_update(model: torch.nn.Module, buckets: Iterable[WeightBucket],
-                        version: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def stage_weight_update(model: torch.nn.Module, buckets: Iterable[WeightBucket], version: int,
+                        lora_base: dict[str, torch.Tensor] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every (parameter, new value) pair of an update, checked (names, shapes, dtypes, coverage) before
-    anything is copied, so a failed update leaves the model as it was. Raises on the first problem."""
+    anything is copied, so a failed update leaves the model as it was. Raises on the first problem.
+
+    An update of LoRA adapter factors (names `<weight>.lora_A/B`, async_april/lora_weights.py) is staged
+    by `stage_adapter_update` against `lora_base` (the engine's kept base weights)."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers()))
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    adapters: list[tuple[str, torch.Tensor]] = []
     covered: set[int] = set()
     for bucket in buckets:  # a transport that fails mid-stream raises here, before any copy
         for name, tensor in bucket.items():
+            if is_adapter_name(name):
+                adapters.append((name, tensor))
+                continue
             p = named.get(name)
             if p is None:
                 raise KeyError(f"weight update: {name!r} is not a parameter of the engine's model")
@@ -93,10 +101,37 @@ def stage_weight_update(model: torch.nn.Module, buckets: Iterable[WeightBucket],
                 raise ValueError(f"weight update: {name!r} has dtype {tensor.dtype}, model has {p.dtype}")
             staged.append((p, tensor))
             covered.add(id(p))
+    if adapters:
+        if staged:
+            raise ValueError(f"weight update to version {version} mixes LoRA adapter factors with {len(staged)} full "
+                             f"tensors (e.g. {adapters[0][0]!r}); send one or the other")
+        if lora_base is None:
+            raise ValueError(f"weight update to version {version} is LoRA adapters, but this engine keeps no base weights")
+        return stage_adapter_update(named, adapters, version, lora_base)
     missing = [n for n, p in model.named_parameters() if id(p) not in covered]
     if missing:
         raise ValueError(
             f"weight update to version {version} left {len(missing)} parameters unchanged "
             f"(e.g. {missing[:3]}); send every parameter of the model"
         )
+    return staged
+
+
+def stage_adapter_update(named: dict[str, torch.Tensor], adapters: list[tuple[str, torch.Tensor]], version: int,
+                         base: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, base + scaled_B @ A) for every adapted weight, merged from the BASE the engine kept, never
+    from its current (already merged) value, so no update accumulates rounding. The first adapter update
+    keeps a host copy of each weight it names as the base; every later one must name the same weights
+    (a weight left out would keep an old version's merge)."""
+    pairs = pair_adapters(adapters)
+    unknown = [w for w in pairs if w not in named]
+    if unknown:
+        raise KeyError(f"adapter update to version {version}: {unknown[:3]} are not parameters of the engine's model")
+    if base and set(pairs) != set(base):
+        raise ValueError(f"adapter update to version {version} names {len(pairs)} weights, the first named {len(base)} "
+                         f"(e.g. {sorted(set(pairs) ^ set(base))[:3]}); send the adapters of every adapted weight")
+    keep = {w: named[w].detach().to("cpu", copy=True) for w in pairs if w not in base}
+    staged = [(named[w], merge_lora((base.get(w) if w in base else keep[w]).to(named[w].device), a, b))
+              for w, (a, b) in pairs.items()]  # merge_lora checks the shapes, before any copy
+    base.update(keep)
     return staged

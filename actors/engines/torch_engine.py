@@ -104,6 +104,8 @@ class TorchEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._seed_rng = np.random.default_rng()
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """LoRA: the base weights an adapter update merges into, kept (on the host) at the first one."""
 
     # ---------------------------------------------------------------- asyncio side
     @property
@@ -271,7 +273,7 @@ class TorchEngine:
         """All or nothing: every bucket is received and checked (names, shapes, dtypes, coverage)
         before any weight is copied, so a failed update leaves the model and its version as they
         were. Costs one staged copy of the weights in host memory during the update."""
-        staged = stage_weight_update(self.model, buckets, version)
+        staged = stage_weight_update(self.model, buckets, version, self._lora_base)
         for p, tensor in staged:
             p.data.copy_(tensor.to(device=p.device, dtype=p.dtype), non_blocking=True)
         self._version = version

@@ -20,7 +20,7 @@ in well under a second.
 
 from async_april.config.base import ConfigError, Section
 from async_april.config.inputs import DataConfig, EvalConfig, EvalDatasetConfig, ModelConfig, RewardConfig
-from async_april.config.learner import AlgorithmConfig, LearnerConfig, WeightSyncConfig
+from async_april.config.learner import AlgorithmConfig, LearnerConfig, LoraConfig, WeightSyncConfig
 from async_april.config.loading import (
     OVERRIDES_HELP,
     apply_overrides,
@@ -36,7 +36,7 @@ from async_april.config.run import CheckpointConfig, LoggingConfig, RunConfig
 
 __all__ = [
     "MOVED_ROLLOUT_KEYS", "OVERRIDES_HELP", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
-    "Config", "ConfigError", "DataConfig", "EvalConfig", "EvalDatasetConfig", "LearnerConfig", "LoggingConfig",
+    "Config", "ConfigError", "DataConfig", "EvalConfig", "EvalDatasetConfig", "LearnerConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "Section", "WeightSyncConfig",
     "apply_overrides", "config_from_dict", "load_config", "parse_override", "read_yaml", "save_config",
 ]

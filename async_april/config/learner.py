@@ -52,6 +52,25 @@ class AlgorithmConfig(Section):
         return self
 
 
+LORA_TARGETS_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Llama/Qwen-style decoder block (attention and MLP), peft's usual names."""
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    """Train LoRA adapters (peft) on a frozen base instead of every weight (docs/learner.md, LoRA)."""
+    rank: int = Field(16, ge=1, le=4096)
+    """Adapter rank r: each target `W` (out x in) gains `B @ A` with A r x in, B out x r."""
+    alpha: float = Field(32.0, gt=0.0)
+    """LoRA alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input during training (none at generation; the engines see merged weights)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS_ALL_LINEAR), min_length=1)
+    """Module names (suffixes, as peft matches them) that get adapters; the default is every linear layer of a decoder block."""
+    sync: Literal["auto", "adapter", "merged"] = "auto"
+    """What goes to the engines each version: the adapter factors (the torch engine merges them into its kept base weights), or merged full weights through the usual routes (SGLang). auto: adapter for the torch engine, merged otherwise (docs/learner.md has the measurement)."""
+
+
 class LearnerConfig(Section):
     world_size: int = Field(1, ge=1, le=4096)
     """Learner ranks (one Ray actor each; FSDP2 across them)."""
@@ -85,6 +104,8 @@ class LearnerConfig(Section):
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
     """torch.compile each decoder layer."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (off by default)."""
 
 
 class WeightSyncConfig(Section):

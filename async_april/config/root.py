@@ -65,6 +65,10 @@ class Config(Section):
                 f"learner.mini_batches={self.learner.mini_batches} is more than the {rows} responses of a batch "
                 f"(rollout.batch_groups x rollout.n_samples); set learner.mini_batches <= {rows}"
             )
+        if self.learner.lora.enabled and self.learner.lora.sync == "adapter" and r.engine == "sglang":
+            # SGLang's weight routes take full tensors; its own LoRA serving is not used (docs/learner.md, LoRA).
+            raise ValueError("learner.lora.sync=adapter needs rollout.engine=torch (it merges adapters itself); "
+                             "SGLang gets merged weights: set learner.lora.sync=merged or auto")
         if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
             raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
         return self

@@ -1,0 +1,220 @@
+"""LoRA (learner.lora): engine and learner agree, the base never moves, resume is exact, exports are the policy.
+
+Single-rank LearnerWorkers in this process (the tiny random Qwen2 of tests/test_learner.py, fp32, gloo),
+a real TorchEngine fed through the learner's own bucket export, real peft (inject_adapter_in_model on the
+learner, PeftModel.from_pretrained on the exported adapter directory), the real run-checkpoint writer
+and `async-april export`. Adapters start at B = 0 (the base model), so every test trains a few steps
+at a high learning rate first: the adapters then change the logprobs by far more than the tolerances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from async_april.config import save_config
+from learners.logprobs import collate, response_logprobs
+from tests.test_learner import TEMPERATURE, local_worker, make_batch, make_cfg
+
+pytest.importorskip("peft", reason="LoRA needs peft (pip install 'async-april[lora]')")
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+TOL = 1e-4
+"""Engine vs learner logprobs, fp32: tests/test_torch_engine.py's tolerance, for full fine-tuning and LoRA alike."""
+LORA = {"enabled": True, "rank": 8, "alpha": 16.0}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    from async_april.models import build_random_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-lora") / "model"
+    return str(build_random_tiny_model(out, seed=0, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2))
+
+
+def lora_cfg(**lora):
+    return make_cfg(lr=2e-2, warmup_steps=0, lora={**LORA, **lora})
+
+
+def trained(w, model_path, steps=2, seed=20):
+    return [w.train_step(make_batch(model_path, seed=seed + i)) for i in range(steps)]
+
+
+def policy_logprobs(w, prompt, out_ids) -> np.ndarray:
+    """The learner's logprobs of `out_ids` after `prompt` (its forward: base + unmerged adapters)."""
+    ids = np.concatenate([prompt, out_ids]).astype(np.int64)
+    mb = collate([ids], np.array([len(prompt)]), [np.zeros(len(out_ids), np.float32)], np.zeros(1, np.float32))
+    with torch.no_grad():
+        return response_logprobs(w.model, mb, TEMPERATURE)[0, : len(out_ids)].numpy()
+
+
+@pytest.mark.parametrize("mode", ["full", "adapter", "merged"])
+def test_engine_and_learner_logprobs_agree_on_fresh_tokens(model_path, mode):
+    """After training, the learner's weights go to a TorchEngine through the learner's bucket export (full
+    weights; LoRA adapter factors the engine merges into its kept base; LoRA merged weights). Tokens the
+    engine samples afresh carry logprobs equal to the learner's forward of the same policy, within the
+    full-fine-tuning tolerance, and differ from the base model's (the adapters are really on)."""
+    from actors.engine import GenerateRequest, SamplingParams
+    from actors.engines.torch_engine import TorchEngine
+    from async_april.lora_weights import is_adapter_name
+
+    cfg = make_cfg(lr=2e-2, warmup_steps=0) if mode == "full" else lora_cfg(sync=mode)
+    prompts = [np.array([3, 5, 7, 2][: 2 + i % 3] + [i + 1], np.int64) for i in range(6)]
+    with local_worker(cfg, model_path) as w:
+        trained(w, model_path)
+        buckets = list(w.iter_weight_buckets(bucket_mb=0.01))
+        names = [n for b in buckets for n in b]
+        assert all(is_adapter_name(n) for n in names) == (mode == "adapter") and names
+
+        async def generate(updates):
+            eng = TorchEngine(model_path, num_threads=1, eos_token_ids=())
+            await eng.start()
+            try:
+                for version, bs in updates:
+                    await eng.update_weights(iter(bs), version)
+                reqs = [GenerateRequest(f"r{i}#", p, SamplingParams(max_new_tokens=12, seed=i, temperature=TEMPERATURE))
+                        for i, p in enumerate(prompts)]
+                return eng.version, await asyncio.gather(*(eng.generate(r) for r in reqs))
+            finally:
+                await eng.shutdown()
+
+        # Twice: an engine merges each adapter update into the base it kept, not into the last merge.
+        version, results = asyncio.run(generate([(1, buckets), (2, buckets)]))
+        assert version == 2
+        base = asyncio.run(generate([]))[1]
+        gaps = []
+        for p, res, res0 in zip(prompts, results, base):
+            want = policy_logprobs(w, p, np.asarray(res.output_ids))
+            np.testing.assert_allclose(res.logprobs, want, atol=TOL)
+            assert all(v == 2 for v in res.versions)
+            gaps.append(np.abs(policy_logprobs(w, p, np.asarray(res0.output_ids)) - np.asarray(res0.logprobs)).max())
+        assert max(gaps) > 100 * TOL  # the trained policy is not the base
+
+
+def test_only_adapters_train_and_frozen_base_is_bit_identical(model_path):
+    from safetensors.torch import load_file
+
+    base = load_file(os.path.join(model_path, "model.safetensors"))
+    with local_worker(lora_cfg(), model_path) as w:
+        metrics = trained(w, model_path, steps=3)
+        sd = w.full_state_dict()
+        osd = w.full_optimizer_state_dict()
+        n_trainable = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
+    assert all(m["train/bad_step"] == 0.0 and m["train/grad_norm"] > 0 for m in metrics)
+    frozen = {k.replace(".base_layer.", "."): v for k, v in sd.items() if ".lora_" not in k}
+    assert set(frozen) <= set(base) | {"lm_head.weight"}
+    for k, v in frozen.items():
+        assert torch.equal(v, base[k if k in base else "model.embed_tokens.weight"]), k  # lm_head is tied
+    adapters = {k: v for k, v in sd.items() if ".lora_B." in k}
+    assert adapters and all(v.abs().max() > 0 for v in adapters.values())  # B starts at 0: it trained
+    # AdamW holds state for the adapters only: 2 moments of each trainable element
+    moments = sum(s[m].numel() for s in osd["state"].values() for m in ("exp_avg", "exp_avg_sq"))
+    assert moments == 2 * n_trainable and all(".lora_" in k for k in osd["state"])
+    adapted = [k.replace(".base_layer.", ".") for k in sd if k.endswith(".base_layer.weight")]
+    assert len(adapted) == 2 * 7  # every linear layer of both decoder blocks
+    assert n_trainable == sum(LORA["rank"] * sum(frozen[k].shape) for k in adapted)  # r x (in + out) each
+
+
+def test_resumed_lora_run_equals_uninterrupted(model_path, tmp_path):
+    """3 steps straight vs 2 steps, save, a new worker loads, 1 step: adapters, optimizer state and metrics
+    equal bit for bit (dropout on, so the RNG state is part of it). The checkpoint holds no base tensor,
+    and a checkpoint of another base is refused by name."""
+    from learners import lora
+
+    cfg = lora_cfg(dropout=0.1)
+    batches = [make_batch(model_path, seed=30 + i) for i in range(3)]
+    with local_worker(cfg, model_path) as w:
+        straight = [w.train_step(b) for b in batches]
+        want_sd, want_osd = w.full_state_dict(), w.full_optimizer_state_dict()
+    ck = tmp_path / "ck"
+    with local_worker(cfg, model_path) as w:
+        for b in batches[:2]:
+            w.train_step(b)
+        w.save_checkpoint(str(ck))
+    with local_worker(cfg, model_path) as w:
+        assert w.load_checkpoint(str(ck)) == {"step": 2, "version": 2}
+        resumed = w.train_step(batches[2])
+        got_sd, got_osd = w.full_state_dict(), w.full_optimizer_state_dict()
+    for k in want_sd:
+        assert torch.equal(got_sd[k], want_sd[k]), k
+    for i, s in want_osd["state"].items():
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got_osd["state"][i][m], s[m]), (i, m)
+    for k in ("loss/total", "train/grad_norm", "loss/entropy"):
+        assert resumed[k] == straight[2][k], k
+    from safetensors import safe_open
+
+    with safe_open(str(ck / "rank_00000.safetensors"), framework="pt") as f:
+        model_keys = [k for k in f.keys() if k.startswith("/model/")]
+    assert model_keys and all(".lora_" in k for k in model_keys)
+    assert lora.json_meta(ck)[lora.BASE_HASH_KEY] == lora.base_model_hash(model_path)
+
+    meta = lora.json_meta(ck)
+    meta[lora.BASE_HASH_KEY] = "0" * 64
+    (ck / "learner.json").write_text(__import__("json").dumps(meta))
+    with local_worker(cfg, model_path) as w:
+        with pytest.raises(Exception, match="another base model"):
+            w.load_checkpoint(str(ck))
+
+
+def test_exported_merged_model_and_adapter_dir_give_the_policys_logits(model_path, tmp_path):
+    """A run checkpoint written by the run's own CheckpointManager, exported by `async-april export`:
+    --merge gives a plain HF model, without it peft's adapter directory; both give the trained
+    policy's logits (the learner's forward with unmerged adapters)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from async_april.checkpointing import CheckpointManager, config_hash, model_shape
+    from async_april.errors import UserError
+    from async_april.launch.export import main as export_main
+
+    run_dir = tmp_path / "run"
+    cfg = lora_cfg().model_copy(deep=True)
+    cfg.model.path = model_path
+    cfg.run.dir = str(run_dir)
+    run_dir.mkdir()
+    save_config(cfg, run_dir)
+    ids = torch.tensor([[1, 4, 9, 2, 6, 3, 8, 5, 7]])
+    with local_worker(cfg, model_path) as w:
+        trained(w, model_path)
+        ck = CheckpointManager(run_dir).save(2, w.version, w, {}, {}, None, config_hash(cfg), model_shape(model_path))
+        with torch.no_grad():
+            want = w.model(input_ids=ids).logits
+    assert export_main([str(ck), str(tmp_path / "merged"), "--merge"]) == 0
+    assert export_main([str(run_dir), str(tmp_path / "adapter")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)(input_ids=ids).logits
+        got_merged, got_peft = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
+    torch.testing.assert_close(got_merged, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_peft, want, atol=1e-5, rtol=0)
+    assert (base_logits - want).abs().max() > 1e-2
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    with pytest.raises(UserError, match="OUT_DIR"):
+        export_main([str(ck), str(tmp_path / "merged"), "--merge"])
+
+
+def test_lora_config_errors_name_the_key(model_path):
+    from async_april.config import ConfigError, config_from_dict
+    from learners.lora import LoraTargetError, apply_lora
+
+    with pytest.raises(ConfigError, match="learner.lora.sync=adapter needs rollout.engine=torch"):
+        config_from_dict({"rollout": {"engine": "sglang"}, "learner": {"lora": {"enabled": True, "sync": "adapter"}}})
+    with pytest.raises(ConfigError, match="rank"):
+        config_from_dict({"learner": {"lora": {"rank": 0}}})
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    cfg = config_from_dict({"learner": {"lora": {"enabled": True, "target_modules": ["qkv"]}}})
+    with pytest.raises(LoraTargetError, match=r"learner.lora.target_modules=\['qkv'\].*q_proj"):
+        apply_lora(model, cfg.learner.lora)
