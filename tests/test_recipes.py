@@ -59,7 +59,7 @@ def test_recipe_is_consistent_with_its_node_layout(path):
     assert all(name in REGISTRY for name in cfg.reward.functions) and cfg.reward.num_workers > 0
     # APRIL / CoPRIS settings
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.28)
-    assert lc.lr == 1e-6 and r.n_samples == 8
+    assert lc.lr == (1e-5 if lc.lora.enabled else 1e-6) and r.n_samples == 8  # LoRA: 10x, its usual ratio
     assert r.batch_groups == (32 if res["gpus"] == 8 else r.batch_groups)
     assert r.max_new_tokens >= 3072
 
@@ -172,6 +172,7 @@ def test_recipe_passes_async_april_check(path, substitutes, monkeypatch, capsys,
     assert f"snapshots/{HUB_COMMIT}" in model_line
     assert f"data {source}: 64 prompts" in err  # check reads the first 64 rows; none rejected
     cfg = load_config(path)
+    assert ("learner: LoRA" in err) == cfg.learner.lora.enabled and "weights + grads + AdamW" in err
     assert f"resources: {cfg.rollout.num_actors * cfg.rollout.gpus_per_actor + cfg.learner.world_size * cfg.learner.gpus_per_rank:g} GPUs reserved" in err
 
 

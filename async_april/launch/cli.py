@@ -104,6 +104,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         r = resolve(cfg, sample_rows=CHECK_ROWS)
         for line in r.describe():
             say(line)
+        from learners.lora import describe_counts, parameter_counts
+
+        on_gpu = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and cfg.rollout.gpus_per_actor > 0)
+        say(describe_counts(parameter_counts(r.model_path, cfg.learner.lora), gpu_bf16=on_gpu))
         gpus = cluster_gpus_if_reachable(cfg)
         if gpus is None:
             say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")
