@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_april.config import save_config
+from async_april.config import load_config, save_config
 from learners.logprobs import collate, response_logprobs
 from tests.test_learner import TEMPERATURE, local_worker, make_batch, make_cfg
 
@@ -164,29 +164,36 @@ def test_resumed_lora_run_equals_uninterrupted(model_path, tmp_path):
             w.load_checkpoint(str(ck))
 
 
-def test_exported_merged_model_and_adapter_dir_give_the_policys_logits(model_path, tmp_path):
-    """A run checkpoint written by the run's own CheckpointManager, exported by `async-april export`:
-    --merge gives a plain HF model, without it peft's adapter directory; both give the trained
-    policy's logits (the learner's forward with unmerged adapters)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+@pytest.fixture(scope="module")
+def lora_run(model_path, tmp_path_factory):
+    """A LoRA run directory as the run writes it (config.yaml, a run checkpoint by its CheckpointManager)
+    after 2 training steps, and the trained policy's logits on a fixed sequence."""
     from async_april.checkpointing import CheckpointManager, config_hash, model_shape
-    from async_april.errors import UserError
-    from async_april.launch.export import main as export_main
 
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path_factory.mktemp("lora-run") / "run"
     cfg = lora_cfg().model_copy(deep=True)
     cfg.model.path = model_path
     cfg.run.dir = str(run_dir)
-    run_dir.mkdir()
     save_config(cfg, run_dir)
     ids = torch.tensor([[1, 4, 9, 2, 6, 3, 8, 5, 7]])
     with local_worker(cfg, model_path) as w:
         trained(w, model_path)
         ck = CheckpointManager(run_dir).save(2, w.version, w, {}, {}, None, config_hash(cfg), model_shape(model_path))
         with torch.no_grad():
-            want = w.model(input_ids=ids).logits
+            logits = w.model(input_ids=ids).logits
+    return cfg, run_dir, ck, ids, logits
+
+
+def test_exported_merged_model_and_adapter_dir_give_the_policys_logits(lora_run, model_path, tmp_path):
+    """`async-april export` of a LoRA run: --merge gives a plain HF model, without it peft's adapter
+    directory; both give the trained policy's logits (the learner's forward with unmerged adapters)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from async_april.errors import UserError
+    from async_april.launch.export import main as export_main
+
+    _, run_dir, ck, ids, want = lora_run
     assert export_main([str(ck), str(tmp_path / "merged"), "--merge"]) == 0
     assert export_main([str(run_dir), str(tmp_path / "adapter")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
@@ -204,6 +211,19 @@ def test_exported_merged_model_and_adapter_dir_give_the_policys_logits(model_pat
         export_main([str(ck), str(tmp_path / "merged"), "--merge"])
 
 
+def test_eval_command_evaluates_a_lora_checkpoint(lora_run):
+    """`async-april eval` on a LoRA run checkpoint evaluates the merged policy (an adapter directory is
+    no model directory for the engine)."""
+    from async_april.launch.eval_command import evaluate_checkpoint
+
+    cfg, run_dir, ck, _, _ = lora_run
+    cfg = cfg.model_copy(deep=True)
+    cfg.eval.datasets = [{"name": "heldout", "source": "builtin:reverse", "num_prompts": 4}]
+    cfg.eval.samples, cfg.rollout.max_new_tokens = 1, 8
+    got = evaluate_checkpoint(cfg, ck)
+    assert got["eval/heldout/version"] == 2 and 0 <= got["eval/heldout/mean_reward"] <= 1
+
+
 def test_lora_config_errors_name_the_key(model_path):
     from async_april.config import ConfigError, config_from_dict
     from learners.lora import LoraTargetError, apply_lora
@@ -218,3 +238,72 @@ def test_lora_config_errors_name_the_key(model_path):
     cfg = config_from_dict({"learner": {"lora": {"enabled": True, "target_modules": ["qkv"]}}})
     with pytest.raises(LoraTargetError, match=r"learner.lora.target_modules=\['qkv'\].*q_proj"):
         apply_lora(model, cfg.learner.lora)
+
+
+def test_engine_adapter_updates_are_all_or_nothing(model_path):
+    """The torch engine's adapter staging refuses, before touching any weight: an A without its B, a later
+    update naming other weights than the first, adapters mixed with full tensors, a factor that does not
+    fit its weight. A good update merges into the kept base, so repeating it changes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.engines.torch_batch import stage_weight_update
+    from async_april.lora_weights import adapter_names
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"
+
+    def factors(w, r=4):
+        out, inp = model.get_parameter(w).shape
+        a, b = adapter_names(w)
+        return {a: torch.randn(r, inp, generator=g), b: torch.randn(out, r, generator=g)}
+
+    good = {**factors(w1), **factors(w2)}
+    bad_updates = {
+        "has only": {k: v for k, v in good.items() if not k.endswith(".lora_B")},
+        "mixes LoRA adapter factors": {**good, "model.norm.weight": before["model.norm.weight"]},
+        "does not fit": {**good, adapter_names(w1)[0]: torch.randn(4, 3)},
+    }
+    for match, bucket in bad_updates.items():
+        with pytest.raises(ValueError, match=match):
+            stage_weight_update(model, [bucket], 1, {})
+    base: dict = {}
+    for version in (1, 2):
+        for p, t in stage_weight_update(model, [good], version, base):
+            p.data.copy_(t)
+        a, b = good[adapter_names(w1)[0]], good[adapter_names(w1)[1]]
+        assert torch.equal(model.get_parameter(w1), before[w1] + b @ a)  # from the base, not from the last merge
+    assert set(base) == {w1, w2} and torch.equal(base[w1], before[w1])
+    with pytest.raises(ValueError, match="names 1 weights, the first named 2"):
+        stage_weight_update(model, [factors(w1)], 3, base)
+    untouched = [k for k in before if k not in (w1, w2)]
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in untouched)
+
+
+@pytest.mark.slow  # ~40 s alone on 2 cores (Ray, engine, learner start), over a minute beside other jobs
+def test_lora_run_through_ray_sends_adapters_and_exports(tmp_path):
+    """`async-april train configs/tiny_cpu_lora.yaml` (sync preset, 2 steps) on the embedded cluster: the
+    engines get only the adapter factors each version (the MB logged are the trainable parameters in
+    fp32), every token is on-policy as without LoRA, and the run directory exports."""
+    from transformers import AutoModelForCausalLM
+
+    from async_april.models.paths import resolve_model_path
+    from learners.lora import parameter_counts
+    from tests.test_e2e import REPO, metrics, train_cli
+
+    config = tmp_path / "lora_sync.yaml"
+    config.write_text(f"defaults:\n  - {REPO}/configs/tiny_cpu_lora.yaml\n  - {REPO}/configs/presets/sync.yaml\n")
+    _, run_dir = train_cli(tmp_path, config, "run.steps=2", "eval.datasets=[]")
+    rows = metrics(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    counts = parameter_counts(resolve_model_path(cfg.model.path, cfg.model.cache_dir), cfg.learner.lora)
+    assert [r["train/policy_version"] for r in rows] == [1, 2]
+    assert all(r["staleness/max"] == 0 for r in rows)
+    assert all(r["weight_sync/mb"] == pytest.approx(counts["trainable"] * 4 / 2**20) for r in rows)
+    assert counts["trainable"] < 0.2 * counts["base"]
+    out = tmp_path / "merged"
+    from async_april.launch.export import export_checkpoint
+
+    export_checkpoint(run_dir, out, merge=True)
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() == counts["base"]

@@ -25,7 +25,7 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict[str, float]:
     """Metrics of CHECKPOINT on `cfg.eval.datasets` (see the module docstring)."""
     from async_april.data import load_prompts
     from async_april.evaluation import load_eval_sets, summarize
-    from async_april.launch.export import export_checkpoint, open_checkpoint
+    from async_april.launch.export import export_checkpoint, open_checkpoint, run_config_of
     from async_april.rewards import get_reward_fn
     from async_april.launch.resolve import load_tokenizer
 
@@ -39,8 +39,10 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict[str, float]:
         if (src / "config.json").is_file():
             model_path, version = src, 0
         else:
-            version = open_checkpoint(src).version
-            model_path = export_checkpoint(src, Path(tmp) / "hf", "float32")
+            ck = open_checkpoint(src)
+            version = ck.version
+            # A LoRA run's checkpoint holds adapters: the engine needs them merged into the base.
+            model_path = export_checkpoint(src, Path(tmp) / "hf", "float32", merge=run_config_of(ck).learner.lora.enabled)
         tokenizer = load_tokenizer(model_path, str(checkpoint))
         sets = load_eval_sets(cfg, tokenizer, load_prompts(cfg, tokenizer))
         results = asyncio.run(_run(cfg, str(model_path), sets, version))
