@@ -307,3 +307,43 @@ def test_lora_run_through_ray_sends_adapters_and_exports(tmp_path):
 
     export_checkpoint(run_dir, out, merge=True)
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() == counts["base"]
+
+
+def test_gpu_layout_bf16_frozen_base_with_fp32_adapters_trains_under_fsdp2(model_path):
+    """What the learner does on GPU, run on CPU (gloo): the frozen base stored in bf16, the adapters (and
+    AdamW) in fp32, FSDP2 with the bf16 mixed-precision policy. It trains, the base stays bit-identical,
+    and the merged export is bf16 base + the fp32 update."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from async_april.config import config_from_dict
+    from learners import lora
+    from learners.parallelize import make_mesh, parallelize
+    from tests.test_learner import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        lc = config_from_dict({"learner": {"lora": {**LORA, "rank": 4}}}).learner.lora
+        model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lc)
+        lora.freeze_base_dtype(model, torch.bfloat16)
+        before = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" not in k}
+        export = lora.LoraExport(model, lc, "merged")
+        model = parallelize(model, make_mesh("cpu", 1), mixed_precision=True)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        ids = torch.randint(1, 10, (2, 7), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        sd = model.state_dict()
+        assert {str(p.dtype) for n, p in model.named_parameters() if ".lora_" in n} == {"torch.float32"}
+        for k, v in before.items():
+            assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k].full_tensor(), v), k
+        w = "model.layers.0.self_attn.q_proj"
+        merged = export.full_tensor(sd, f"{w}.weight")
+        a, b = sd[f"{w}.lora_A.default.weight"].full_tensor(), sd[f"{w}.lora_B.default.weight"].full_tensor()
+        assert b.abs().max() > 0 and merged.dtype == torch.bfloat16
+        assert torch.equal(merged, (before[f"{w}.base_layer.weight"].float() + export.scale * b @ a).bfloat16())
+    finally:
+        dist.destroy_process_group()

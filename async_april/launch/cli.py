@@ -4,7 +4,7 @@
     async-april check CONFIG [section.key=value ...]   resolve a config against the world, print it; starts nothing
     async-april build-model [--cache-dir D] [--seed S] build the tiny built-in model
     async-april eval CONFIG CHECKPOINT [k=v ...]       evaluate a checkpoint or HF directory on eval.datasets
-    async-april export CHECKPOINT OUT_DIR              write a Hugging Face directory from a run checkpoint
+    async-april export CHECKPOINT OUT_DIR [--merge]    write a Hugging Face directory from a run checkpoint (LoRA: adapters, or merged)
     async-april plot RUN_DIR [--out FILE]              plot a run's metrics.jsonl (training and eval reward) to PNG
     async-april --version
 
