@@ -39,8 +39,8 @@ def model_path(tmp_path_factory) -> str:
                                        num_attention_heads=4, num_key_value_heads=2))
 
 
-def lora_cfg(**lora):
-    return make_cfg(lr=2e-2, warmup_steps=0, lora={**LORA, **lora})
+def lora_cfg(algorithm: dict | None = None, learner: dict | None = None, **lora):
+    return make_cfg(algorithm, lr=2e-2, warmup_steps=0, lora={**LORA, **lora}, **(learner or {}))
 
 
 def trained(w, model_path, steps=2, seed=20):
@@ -99,15 +99,19 @@ def test_engine_and_learner_logprobs_agree_on_fresh_tokens(model_path, mode):
 
 
 def test_only_adapters_train_and_frozen_base_is_bit_identical(model_path):
+    """3 steps of 2 PPO mini-batches each, decoupled correction (a proximal forward) and a KL reference:
+    the learner's usual step, unchanged by LoRA, moves the adapters only."""
     from safetensors.torch import load_file
 
     base = load_file(os.path.join(model_path, "model.safetensors"))
-    with local_worker(lora_cfg(), model_path) as w:
+    cfg = lora_cfg(algorithm={"correction": "decoupled", "kl_coef": 0.05}, learner={"mini_batches": 2})
+    with local_worker(cfg, model_path) as w:
         metrics = trained(w, model_path, steps=3)
         sd = w.full_state_dict()
         osd = w.full_optimizer_state_dict()
         n_trainable = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
-    assert all(m["train/bad_step"] == 0.0 and m["train/grad_norm"] > 0 for m in metrics)
+    assert all(m["train/bad_step"] == 0.0 and m["train/grad_norm"] > 0 and m["train/optimizer_steps"] == 2 for m in metrics)
+    assert 0 <= metrics[0]["loss/kl"] < metrics[-1]["loss/kl"]  # B = 0: the policy starts at the reference
     frozen = {k.replace(".base_layer.", "."): v for k, v in sd.items() if ".lora_" not in k}
     assert set(frozen) <= set(base) | {"lm_head.weight"}
     for k, v in frozen.items():
@@ -222,6 +226,29 @@ def test_eval_command_evaluates_a_lora_checkpoint(lora_run):
     cfg.eval.samples, cfg.rollout.max_new_tokens = 1, 8
     got = evaluate_checkpoint(cfg, ck)
     assert got["eval/heldout/version"] == 2 and 0 <= got["eval/heldout/mean_reward"] <= 1
+
+
+def test_resume_of_a_lora_checkpoint_on_another_base_or_without_lora_is_refused(lora_run, tmp_path):
+    """Resolved before Ray starts (`check` and `train`): same shape is not enough, the base's weights must
+    hash as saved; a LoRA checkpoint with learner.lora off is refused too."""
+    from async_april.errors import UserError
+    from async_april.launch.resolve import resolve
+    from async_april.models import build_random_tiny_model
+
+    cfg, _, ck, _, _ = lora_run
+    other = build_random_tiny_model(tmp_path / "other", seed=1, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=2)
+    resumed = cfg.model_copy(deep=True)
+    resumed.run.resume = str(ck)
+    assert resolve(resumed, sample_rows=8).resume.step == 2
+    on_other = resumed.model_copy(deep=True)
+    on_other.model.path = str(other)
+    with pytest.raises(UserError, match="trained on another base model"):
+        resolve(on_other, sample_rows=8)
+    without = resumed.model_copy(deep=True)
+    without.learner.lora.enabled = False
+    with pytest.raises(UserError, match="holds LoRA adapters.*learner.lora.enabled=true"):
+        resolve(without, sample_rows=8)
 
 
 def test_lora_config_errors_name_the_key(model_path):

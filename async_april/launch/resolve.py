@@ -8,7 +8,8 @@
       env          rollout.env imported and built once with rollout.agent.env_args (multi-turn)
       model        model.path -> a local directory (built for builtin:, a hub ID via the Hugging Face
                    cache: async_april/hub.py), its tokenizer,
-                   and a checkpoint being resumed must be of this model's shape
+                   and a checkpoint being resumed must be of this model's shape (LoRA: of this
+                   very base, by the sha256 of its weights)
       engine       SGLang: this environment must not make its logprobs pre-temperature
       data         data.source read, columns mapped, prompts templated and tokenised (`check`: the
                    first rows only), and every reward callable with this dataset's extra columns
@@ -93,6 +94,7 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
         raise ModelError(str(e) if str(e).startswith("model.path") else f"model.path {cfg.model.path!r}: {e}") from None
     if resume is not None:
         check_model_fits(resume, shape)
+        check_lora_resume(cfg, resume, model_path)
     tokenizer = load_tokenizer(model_path, cfg.model.path)
     dataset = load_prompts(cfg, tokenizer, limit=sample_rows)
     for name, fn in rewards.items():
@@ -103,6 +105,19 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
 
         make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args)
     return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards, eval_sets)
+
+
+def check_lora_resume(cfg: Config, resume: Checkpoint, model_path: Path) -> None:
+    """A LoRA checkpoint holds adapters for one base model: resume it only with learner.lora on and that
+    base at model.path (its weights' sha256 is in learner.json); a full checkpoint only with LoRA off."""
+    from learners import lora
+
+    saved = lora.json_meta(resume.learner_dir).get(lora.BASE_HASH_KEY)
+    if cfg.learner.lora.enabled:
+        lora.check_base(saved, model_path, f"run.resume: {resume.path}")
+    elif saved is not None:
+        raise UserError(f"run.resume: {resume.path} holds LoRA adapters (learner.lora.enabled was true); "
+                        "resume it with learner.lora.enabled=true and the same learner.lora settings")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
