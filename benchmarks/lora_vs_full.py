@@ -11,6 +11,12 @@ loaded).
 Launch (2 CPU cores; about 3 minutes per run, longer on a busy machine):
     OMP_NUM_THREADS=1 python benchmarks/lora_vs_full.py [--steps 40] [--seeds 1 2] [--merged-seeds 1]
 Writes benchmarks/results/lora_vs_full.json and prints a table.
+
+The tiny model's sync is mostly fixed cost (4 MB in all), so `--sync-only` compares the three
+settings' weight sync alone on a 50M-parameter Qwen2 (same LoRA rank as tiny_cpu_lora.yaml, one
+learner rank, object store, a real TorchEngine receiving; ~3 minutes):
+    OMP_NUM_THREADS=1 python benchmarks/lora_vs_full.py --sync-only [--sync-repeats 5]
+Writes benchmarks/results/lora_weight_sync.json and prints a table.
 """
 
 from __future__ import annotations
@@ -59,6 +65,55 @@ def one_run(name: str, seed: int, steps: int, tmp: Path) -> dict:
     }
 
 
+def sync_side_by_side(repeats: int, rank: int) -> list[dict]:
+    """Weight sync alone on benchmarks/weight_sync.py's 50M-parameter Qwen2, where the bytes matter: a
+    learner group (world size 1, one step trained so the adapters are not zero) pushes through the
+    object store to a real TorchEngine in a Ray actor (which, for adapters, merges them into its kept
+    base), `repeats` times per setting; median seconds and MB per push."""
+    import ray
+
+    from async_april.config import config_from_dict
+    from learners.group import LearnerGroup
+    from learners.weight_sync import WeightSyncer, iter_buckets
+    from weight_sync import build_model, make_batch
+
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    class EngineActor:
+        def __init__(self, path: str) -> None:
+            from actors.engines.torch_engine import TorchEngine
+
+            self.engine = TorchEngine(path, num_threads=1)
+
+        async def update_weights(self, payload, version: int) -> int:
+            await self.engine.start()
+            await self.engine.update_weights(iter_buckets(payload), version)
+            return self.engine.version
+
+    tmp = Path(tempfile.mkdtemp(prefix="aa-lora-sync-"))
+    params = build_model(tmp / "model")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    out = []
+    try:
+        for name, lora in (("full", None), ("lora_adapter", "adapter"), ("lora_merged", "merged")):
+            learner = {"device": "cpu", "lr": 1e-3}
+            if lora:
+                learner["lora"] = {"enabled": True, "rank": rank, "alpha": 2.0 * rank, "sync": lora}
+            group = LearnerGroup(config_from_dict({"learner": learner}), str(tmp / "model"))
+            group.train_step(make_batch(rows=4, prompt=16, response=16))
+            engine = EngineActor.remote(str(tmp / "model"))
+            syncer = WeightSyncer("object_store", 64.0)
+            pushes = [syncer.push(group, [engine], version=v) for v in range(1, repeats + 1)]
+            out.append({"setting": name, "params_m": params / 1e6, "lora_rank": rank if lora else None,
+                        "mb": pushes[-1]["weight_sync/mb"],
+                        "median_s": statistics.median(p["timing_s/weight_sync"] for p in pushes),
+                        "all_s": [p["timing_s/weight_sync"] for p in pushes]})
+            ray.kill(engine)
+            group.shutdown()
+    finally:
+        ray.shutdown()
+    return out
+
+
 def summary(runs: list[dict]) -> dict[str, dict]:
     out = {}
     for name in SETTINGS:
@@ -83,7 +138,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--merged-seeds", type=int, nargs="*", default=[1])
+    ap.add_argument("--sync-only", action="store_true", help="only the 50M-parameter weight-sync comparison")
+    ap.add_argument("--sync-repeats", type=int, default=5)
     a = ap.parse_args()
+    if a.sync_only:
+        rank = load_config(REPO / "configs/tiny_cpu_lora.yaml").learner.lora.rank
+        rows = sync_side_by_side(a.sync_repeats, rank)
+        out = write_json("lora_weight_sync.json", {"note": "2 shared CPU cores, other jobs running: timings contended",
+                                                   "object_store": True, "bucket_mb": 64.0, "results": rows})
+        print(f"{'setting':14} {'params M':>8} {'MB/push':>9} {'median s/push':>13}  all s")
+        for r in rows:
+            print(f"{r['setting']:14} {r['params_m']:>8.1f} {r['mb']:>9.2f} {r['median_s']:>13.3f}  "
+                  + " ".join(f"{x:.3f}" for x in r["all_s"]))
+        print(f"wrote {out}")
+        return
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in a.seeds:  # interleaved, so machine load drifts over both settings alike

@@ -220,7 +220,7 @@ def test_eval_command_evaluates_a_lora_checkpoint(lora_run):
     no model directory for the engine)."""
     from async_april.launch.eval_command import evaluate_checkpoint
 
-    cfg, run_dir, ck, _, _ = lora_run
+    cfg, _, ck, _, _ = lora_run
     cfg = cfg.model_copy(deep=True)
     cfg.eval.datasets = [{"name": "heldout", "source": "builtin:reverse", "num_prompts": 4}]
     cfg.eval.samples, cfg.rollout.max_new_tokens = 1, 8
