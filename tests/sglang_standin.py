@@ -15,6 +15,9 @@ cites the SGLang file it follows (paths under sglang/):
 - tensor and distributed weight updates outside a begin/end_weight_update
   session are 400 with SGLang's message; a second begin, or an end without a
   begin, is 400 (srt/managers/scheduler_components/weight_updater.py);
+- a weight update naming a tensor the model does not have is 400, where SGLang skips it
+  (srt/models/qwen2.py _legacy_load_weights): stricter, so LoRA adapter factors (`<w>.lora_A/B`) sent
+  to these routes fail instead of being dropped silently (SGLang gets merged weights, docs/learner.md);
 - `serialized_named_tensors` must hold one entry per TP rank (srt/managers/tp_worker.py
   deserialize_own_rank indexes it by rank);
 - a flush (/flush_cache, or flush_cache=true on an update) is refused while requests run or
@@ -51,6 +54,7 @@ import torch
 from aiohttp import web
 
 from actors.engine import GenerateRequest, SamplingParams
+from async_april.lora_weights import is_adapter_name
 from actors.engines.sglang_wire import deserialize_named_tensors
 from actors.engines.torch_engine import TorchEngine
 from tests.sglang_api_types import GenerateRequest as ContractRequest
@@ -225,6 +229,14 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         return web.json_response({"success": True, "message": "Success"})
 
     async def load(buckets: list[dict], version: str | None, flush_cache: bool) -> web.Response:
+        # SGLang's weight routes load full tensors by the model's parameter names; a name it does not know
+        # is skipped (srt/models/qwen2.py _legacy_load_weights: `continue`, or a "not found in params_dict"
+        # warning), so LoRA factors sent there would be dropped silently. The torch engine behind this
+        # stand-in would merge them (its own adapter path): refuse them instead, stricter than SGLang.
+        adapters = [n for b in buckets for n in b if is_adapter_name(n)]
+        if adapters:
+            return error(400, f"LoRA adapter tensors ({adapters[0]!r}, ...) are not parameters of the model; "
+                              "SGLang's weight routes take full weights (send merged weights)")
         # Retracted requests get their KV recomputed under the new weights; in place they keep the old KV.
         update = engine.update_weights if state.paused == "retract" else engine.update_weights_in_flight
         try:

@@ -374,3 +374,42 @@ def test_gpu_layout_bf16_frozen_base_with_fp32_adapters_trains_under_fsdp2(model
         assert torch.equal(merged, (before[f"{w}.base_layer.weight"].float() + export.scale * b @ a).bfloat16())
     finally:
         dist.destroy_process_group()
+
+
+def test_sglang_standin_refuses_adapter_tensors_and_takes_merged_ones(model_path):
+    """SGLang's weight routes take full tensors under the model's names; real SGLang would SKIP adapter
+    factors (unknown names, sglang/srt/models/qwen2.py `_legacy_load_weights`: `continue` / "not found
+    in params_dict"), a silent no-op, so the stand-in refuses them with a 400 (stricter) and the config
+    refuses learner.lora.sync=adapter with SGLang. The LoRA learner's merged export loads as before."""
+    pytest.importorskip("aiohttp")
+    from actors.engines.sglang_engine import SGLangEngine
+    from actors.engines.sglang_wire import SGLangError
+    from tests.sglang_standin import StandinServer
+
+    with local_worker(lora_cfg(sync="adapter"), model_path) as w:
+        trained(w, model_path, steps=1)
+        adapters = list(w.iter_weight_buckets(bucket_mb=1.0))
+        w.lora.mode = "merged"  # the same learner's merged export (what sync=auto sends to SGLang)
+        merged = list(w.iter_weight_buckets(bucket_mb=1.0))
+    srv = StandinServer(model_path, max_running=8)
+    srv.start()
+
+    async def main():
+        eng = SGLangEngine(url=srv.url, retries=1)
+        await eng.start()
+        try:
+            with pytest.raises(SGLangError, match="HTTP 400.*LoRA adapter"):
+                await eng.update_weights(adapters, version=1)
+            await eng.update_weights(merged, version=2)
+            return eng.version
+        finally:
+            await eng.shutdown()
+
+    try:
+        assert asyncio.run(main()) == 2
+        sd = srv.engine.model.state_dict()
+        for b in merged:
+            for k, v in b.items():
+                assert torch.equal(sd[k], v), k
+    finally:
+        srv.stop()
