@@ -114,6 +114,7 @@ class LoraExport:
             raise ValueError(f"learner.lora.sync={mode!r}: expected adapter or merged")
         self.mode, self.scale = mode, lc.alpha / lc.rank
         self.targets = adapted_modules(model)  # X: X.base_layer.weight, X.lora_A/B.default.weight
+        self._target_set = frozenset(self.targets)
 
     def specs(self, model: nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
         """Name, dtype and shape of every tensor sent, in send order. Adapter factors travel in fp32: the
@@ -144,10 +145,6 @@ class LoraExport:
             return merge_lora(_full(sd[f"{x}.base_layer.weight"]).detach(), a, b.float() * self.scale)
         key = f"{x}.base_layer.{leaf}" if x in self._target_set else name
         return _full(sd[key]).detach()
-
-    @property
-    def _target_set(self) -> frozenset[str]:
-        return frozenset(self.targets)
 
 
 def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
