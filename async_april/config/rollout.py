@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from async_april.config.base import Section
 
@@ -131,12 +131,54 @@ class RolloutConfig(Section):
         return self
 
 
+class AutoStalenessConfig(Section):
+    min: int = Field(0, ge=0, le=1000)
+    """Lowest eta `auto` may choose; the run starts there."""
+    max: int = Field(4, ge=0, le=1000)
+    """Highest eta `auto` may choose."""
+    min_ess: float | None = Field(0.9, gt=0.0, le=1.0)
+    """Budget: lowest normalised effective sample size of the token IS weights pi_theta / pi_behav (mismatch/ess) a step may have; below it eta goes down. None: no ESS budget."""
+    max_k3: float | None = Field(None, gt=0.0)
+    """Budget: highest k3 KL(pi_behav || pi_theta) per token (mismatch/k3) a step may have; above it eta goes down. None: no KL budget."""
+    raise_wait_frac: float = Field(0.1, ge=0.0, le=1.0)
+    """Generation is the bottleneck when the learner waited at least this share of the step for its batch (timing_s/rollout / timing_s/step); only then does eta go up."""
+    raise_after: int = Field(2, ge=1, le=1000)
+    """Consecutive steps within budget and bottlenecked on generation before eta goes up by one."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoStalenessConfig":
+        if self.min > self.max:
+            raise ValueError(f"async.auto.min ({self.min}) must not exceed async.auto.max ({self.max})")
+        if self.min_ess is None and self.max_k3 is None:
+            raise ValueError("async.auto needs a budget: set async.auto.min_ess or async.auto.max_k3")
+        return self
+
+
 class AsyncConfig(Section):
-    max_staleness: int = Field(0, ge=0, le=1000)
-    """eta: most policy versions a token may lag the learner; enforced by admission control."""
+    max_staleness: int | Literal["auto"] = 0
+    """eta: most policy versions a token may lag the learner; enforced by admission control. `auto`: tuned every step within `async.auto` (docs/async.md)."""
+    auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
+    """Bounds and budget of `max_staleness: auto` (ignored otherwise)."""
     stale_policy: Literal["requeue", "drop"] = "requeue"
     """A group that still exceeds eta when batched (rare: batches are chosen earliest deadline first):
     regenerate it from its prompt (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""
     max_requeues: int = Field(2, ge=0, le=1000)
     """Times one prompt may be regenerated for staleness; past it the group is dropped (counted in
     rollout/groups_dropped_requeue_limit), so a prompt whose responses always outlast eta cannot loop."""
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _eta_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1000):
+            return value
+        raise ValueError(f"async.max_staleness must be an integer in [0, 1000] or `auto` (got {value!r})")
+
+    @property
+    def initial_staleness(self) -> int:
+        """eta at the start of a run: the fixed value, or `auto.min`."""
+        return self.auto.min if self.max_staleness == "auto" else self.max_staleness
+
+    @property
+    def max_lag(self) -> int:
+        """The largest eta the run can have: lags 0..max_lag are reported separately."""
+        return self.auto.max if self.max_staleness == "auto" else self.max_staleness
