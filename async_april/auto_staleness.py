@@ -25,7 +25,10 @@ it was admitted under, so none becomes too stale to train.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from async_april.config import AsyncConfig
 
 Decision = Literal["raise", "lower", "hold"]
 
@@ -53,6 +56,11 @@ class AutoEta:
     max_k3: float | None = None
     raise_wait_frac: float = 0.1
     raise_after: int = 2
+
+    @classmethod
+    def from_config(cls, async_config: "AsyncConfig") -> "AutoEta":
+        a = async_config.auto
+        return cls(a.min, a.max, a.min_ess, a.max_k3, a.raise_wait_frac, a.raise_after)
 
     def __post_init__(self) -> None:
         if not 0 <= self.low <= self.high:
