@@ -11,7 +11,10 @@ trained, filtered, dropped or skipped (its learner step was skipped) -- and
 
 `RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor` wraps
 it as an async Ray actor whose `get_batch` waits without blocking pushes.
-Everything here, leases included, is saved by `state_dict()`.
+Everything here, leases included, is saved by `state_dict()`. (A little over
+400 lines: admission, work order, batching and accounting are one state
+machine over the same groups, and splitting it would spread each invariant
+over two files.)
 """
 
 from __future__ import annotations

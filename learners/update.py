@@ -70,7 +70,7 @@ def mean_over_mini_batches(per_mini: list[dict[str, float]]) -> dict[str, float]
     if not per_mini:
         return {}
     out: dict[str, float] = {}
-    for key in per_mini[0]:
+    for key in dict.fromkeys(k for m in per_mini for k in m):  # a lag may have tokens in some mini-batches only
         values = [m[key] for m in per_mini if key in m]
         if key.endswith("_max"):
             out[key] = max(values)

@@ -82,3 +82,12 @@ def test_split_into_micro_batches_gives_the_same_step_values():
     merged = finalize_mismatch({k: float(v) for k, v in merge_metrics(parts).items()})
     for key, value in whole.items():
         assert merged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def test_a_lag_seen_only_in_a_later_mini_batch_is_still_reported():
+    """mean_over_mini_batches takes every key of every mini-batch: a lag whose tokens all fell in the
+    second mini-batch has KL keys there only (was: the keys of the first mini-batch alone)."""
+    from learners.update import mean_over_mini_batches
+
+    out = mean_over_mini_batches([{"mismatch/k1": 0.1}, {"mismatch/k1": 0.3, "mismatch/k1_lag2": 0.5}])
+    assert out == {"mismatch/k1": pytest.approx(0.2), "mismatch/k1_lag2": 0.5}
