@@ -62,8 +62,10 @@ class RolloutStore:
         self.dynamic_sampling = cfg.rollout.dynamic_sampling
         self.stale_policy = cfg.async_.stale_policy
         self.max_requeues = cfg.async_.max_requeues
-        self.over_provision = cfg.rollout.over_provision
         self.auto_eta = cfg.async_.max_staleness == "auto"
+        self.auto_over_provision = cfg.rollout.over_provision == "auto"
+        self.over_provision = cfg.initial_over_provision
+        """Over-provisioning now: fixed, or moved by the controller (`set_over_provision`)."""
         self.max_staleness = cfg.async_.initial_staleness
         """eta now: fixed, or moved by the controller (`async.max_staleness: auto`, `set_max_staleness`)."""
         self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
@@ -295,6 +297,12 @@ class RolloutStore:
         self.max_staleness = int(eta)
         self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
 
+    def set_over_provision(self, ratio: float) -> None:
+        """Change the cap on groups in flight (auto-tuning). Lowering it admits nothing new until the
+        groups in flight drain below the new cap; none of them is affected."""
+        self.over_provision = float(ratio)
+        self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
+
     def set_version(self, version: int) -> None:
         if version < self.version:
             raise ValueError(f"policy version went backwards: {self.version} -> {version}")
@@ -353,6 +361,7 @@ class RolloutStore:
             "rollout/store_calls": c.extra["store_calls"],
             "rollout/groups_skipped_bad_step": c.skipped_groups,
             "async/eta": self.max_staleness,
+            "async/over_provision": self.over_provision,
             "data/prompt_cursor": self.cursor,
             "data/rejected_long_prompts": self.dataset.rejected_long,
             "data/truncated_long_prompts": self.dataset.truncated_long,
@@ -361,7 +370,7 @@ class RolloutStore:
 
     # -- checkpointing --------------------------------------------------------
     _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "max_requeues", "n", "batch_groups",
-                  "over_provision", "auto_eta", "_changed")
+                  "auto_eta", "auto_over_provision", "_changed")
 
     def state_dict(self) -> dict:
         """Everything needed to continue. Leased samples are saved as the store last saw
@@ -378,10 +387,11 @@ class RolloutStore:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        configured = self.max_staleness
+        configured = self.max_staleness, self.over_provision
         self.__dict__.update(copy.deepcopy(state))
-        # A tuned eta continues from the checkpoint; a fixed one is the config's (it may have been changed).
-        self.set_max_staleness(self.max_staleness if self.auto_eta else configured)
+        # Tuned settings continue from the checkpoint; fixed ones are the config's (it may have been changed).
+        self.over_provision = self.over_provision if self.auto_over_provision else configured[1]
+        self.set_max_staleness(self.max_staleness if self.auto_eta else configured[0])
 
 
 class RolloutStoreActor(RolloutStore):

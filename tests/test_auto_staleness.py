@@ -1,8 +1,10 @@
-"""The auto-eta controller on scripted metric sequences, and admission exact through each change."""
+"""The auto-tuner (eta, over-provisioning) on scripted metric sequences, and admission exact
+through each change."""
 
 import pytest
 
-from async_april.auto_staleness import AutoEta, StepSignals
+from async_april.auto_staleness import Knob, OffPolicyTuner, StepSignals
+from async_april.config import load_config
 from async_april.staleness import StalenessController
 
 
@@ -10,16 +12,20 @@ def sig(ess=0.95, k3=0.001, wait=0.5):
     return StepSignals(ess=ess, k3=k3, wait_frac=wait)
 
 
+def eta_tuner(low, high, **kw):
+    return OffPolicyTuner((Knob("eta", low, high, 1),), **kw)
+
+
 def run(tuner, eta, script):
-    etas, streak = [], 0
+    etas, streak, values = [], 0, {"eta": eta}
     for s in script:
-        eta, streak, _ = tuner.decide(eta, streak, s)
-        etas.append(eta)
+        values, streak, _ = tuner.decide(values, streak, s)
+        etas.append(values["eta"])
     return etas
 
 
 def test_raises_while_the_budget_holds_and_generation_is_the_bottleneck_then_lowers_when_broken():
-    tuner = AutoEta(low=0, high=3, min_ess=0.9, raise_wait_frac=0.2, raise_after=2)
+    tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.2, raise_after=2)
     script = [
         sig(), sig(),                # budget holds, learner waits half the step: raise after 2 steps
         sig(), sig(),                # again
@@ -35,7 +41,7 @@ def test_raises_while_the_budget_holds_and_generation_is_the_bottleneck_then_low
 
 
 def test_k3_budget_and_missing_signal():
-    tuner = AutoEta(low=1, high=4, min_ess=None, max_k3=0.01, raise_wait_frac=0.1, raise_after=1)
+    tuner = eta_tuner(1, 4, min_ess=None, max_k3=0.01, raise_wait_frac=0.1, raise_after=1)
     assert run(tuner, 1, [sig(k3=0.005), sig(k3=0.02), sig(k3=0.009, wait=0.0)]) == [2, 1, 1]
     # Without a measurement the controller never raises (it cannot know the budget holds).
     assert run(tuner, 2, [StepSignals(ess=0.99, k3=None, wait_frac=0.9)] * 3) == [2, 2, 2]
@@ -49,16 +55,35 @@ def test_signals_from_step_metrics():
 
 def test_bad_settings_raise():
     with pytest.raises(ValueError, match="budget"):
-        AutoEta(low=0, high=2, min_ess=None, max_k3=None)
+        eta_tuner(0, 2, min_ess=None, max_k3=None)
     with pytest.raises(ValueError, match="low"):
-        AutoEta(low=3, high=2)
+        eta_tuner(3, 2)
+
+
+def test_two_knobs_raise_in_order_and_lower_the_last_raised_first():
+    tuner = OffPolicyTuner((Knob("eta", 0, 1, 1), Knob("over_provision", 1.0, 2.0, 0.5)), min_ess=0.9,
+                           raise_wait_frac=0.1, raise_after=1)
+    values, streak, trace = {"eta": 0, "over_provision": 1.0}, 0, []
+    for s in [sig()] * 4 + [sig(ess=0.5)] * 4:
+        values, streak, decision = tuner.decide(values, streak, s)
+        trace.append((values["eta"], values["over_provision"], decision))
+    assert trace == [(1, 1.0, "raise"), (1, 1.5, "raise"), (1, 2.0, "raise"), (1, 2.0, "hold"),
+                     (1, 1.5, "lower"), (1, 1.0, "lower"), (0, 1.0, "lower"), (0, 1.0, "hold")]
+
+
+def test_from_config_builds_the_knobs_that_are_auto():
+    assert OffPolicyTuner.from_config(load_config(None)) is None
+    t = OffPolicyTuner.from_config(load_config(None, ["async.max_staleness=auto", "async.auto.max=3"]))
+    assert t.knobs == (Knob("eta", 0, 3, 1),)
+    t = OffPolicyTuner.from_config(load_config(None, ["rollout.over_provision=auto", "async.auto.max_k3=0.01"]))
+    assert t.knobs == (Knob("over_provision", 1.0, 4.0, 0.5),) and t.max_k3 == 0.01
 
 
 def test_scripted_run_never_admits_past_the_current_eta():
     """Admission under a changing eta (the store's arithmetic): every group admitted while eta = e at
     version v is within the first (e + v + 1) batches, so it is trained by version v + e."""
     B = 4
-    tuner = AutoEta(low=0, high=3, min_ess=0.9, raise_wait_frac=0.1, raise_after=1)
+    tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.1, raise_after=1)
     script = [sig()] * 4 + [sig(ess=0.5)] * 3 + [sig()] * 3 + [sig(ess=0.5)] * 4
     eta, streak, version, admitted = 0, 0, 0, 0
     deadline: dict[int, int] = {}  # group index -> last version it may be trained at
@@ -74,7 +99,8 @@ def test_scripted_run_never_admits_past_the_current_eta():
             assert version <= deadline[g], (g, version, deadline[g])
         trained += B
         version += 1
-        eta, streak, _ = tuner.decide(eta, streak, s)
+        values, streak, _ = tuner.decide({"eta": eta}, streak, s)
+        eta = int(values["eta"])
         seen_etas.append(eta)
     assert max(seen_etas) == 3 and seen_etas[-1] == 0  # it did raise to the top and lower to the bottom
 
@@ -126,3 +152,25 @@ def test_raising_eta_opens_admission_at_once_and_the_tuned_eta_survives_a_checkp
     fixed = make_store(**{"async.max_staleness": 1})
     fixed.load_state_dict(state)
     assert fixed.max_staleness == 1  # a fixed eta is the config's, whatever the checkpoint held
+
+
+def test_over_provision_changes_move_the_in_flight_cap_and_survive_a_checkpoint():
+    over = {"rollout.over_provision": "auto", "async.max_staleness": 4}
+    st = make_store(**over)
+    assert st.over_provision == 1.0 and st.metrics()["async/over_provision"] == 1.0
+    first = st.lease("a", 100, 0)
+    assert {s.prompt_index for s in first} == {0, 1}  # ceil(1.0 * B) groups in flight
+    st.set_over_provision(2.0)
+    second = st.lease("a", 100, 0)
+    assert {s.prompt_index for s in second} == {2, 3}  # raised: two more at once
+    st.set_over_provision(1.0)
+    st.push("a", [finish(s) for s in first])
+    assert st.try_get_batch() is not None
+    assert st.lease("a", 100, 0) == []  # 2 still in flight = the lowered cap: nothing new, nothing lost
+    st.push("a", [finish(s) for s in second])
+    assert [g.prompt_index for g in st.try_get_batch()] == [2, 3]
+    assert {s.prompt_index for s in st.lease("a", 100, 0)} == {4, 5}
+    st.check_accounting()
+    again = make_store(**over)
+    again.load_state_dict(st.state_dict())
+    assert again.over_provision == 1.0 and again.controller.max_groups_in_flight == 2

@@ -22,7 +22,7 @@ REQUIRED_KEYS = [
     "staleness/max", "staleness/mean", "perf/engine_idle_frac", "rollout/inflight", "rollout/partial_resumed",
     "rollout/aborted_tokens_reused", "rollout/groups_filtered", "is/weight_mean", "loss/clip_frac", "reward/reverse_match",
     "perf/engine_batch_occupancy", "perf/engine_kv_pad_frac", "async/eta", "mismatch/k1", "mismatch/k3", "mismatch/ess",
-    "mismatch/k3_lag0", "mismatch/ess_lag0", "is/rejected_frac",
+    "mismatch/k3_lag0", "mismatch/ess_lag0", "is/rejected_frac", "async/over_provision",
 ]
 
 
@@ -165,7 +165,7 @@ def test_auto_eta_raises_while_generation_is_the_bottleneck_and_admission_follow
     rows = metrics(run_dir)
     assert [r["async/eta"] for r in rows] == [1, 2, 2]  # the eta decided after each step
     assert [r["async/eta_change"] for r in rows] == [1, 1, 0]
-    assert "raise eta 0 -> 1" in proc.stderr and "raise eta 1 -> 2" in proc.stderr
+    assert "auto: raise eta 0 -> 1" in proc.stderr and "auto: raise eta 1 -> 2" in proc.stderr
     assert rows[0]["staleness/max"] == 0  # step 1's groups were admitted at eta 0
     assert max(r["staleness/max"] for r in rows) <= 2
     assert all(0 < r["mismatch/ess"] <= 1 for r in rows)

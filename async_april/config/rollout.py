@@ -92,8 +92,8 @@ class RolloutConfig(Section):
     """Requests in flight per engine."""
     max_batch_tokens: int = Field(8192, ge=16)
     """Torch engine: cap on tokens (prompt + generated) held by the running batch."""
-    over_provision: float = Field(1.0, ge=1.0, le=64.0)
-    """APRIL: groups launched per batch as a multiple of `batch_groups`; the rest are aborted and resumed later."""
+    over_provision: float | Literal["auto"] = 1.0
+    """APRIL: groups launched per batch as a multiple of `batch_groups` (1 to 64); the rest are aborted and resumed later. It also caps the groups in flight, so generation runs ahead by eta only with over_provision >= eta + 1. `auto`: tuned every step within `async.auto` (docs/async.md)."""
     early_stop: bool = False
     """APRIL: once a batch is complete, abort in-flight requests; their partials resume first with the next weights."""
     on_weight_update: Literal["interrupt", "drain", "continue"] = "drain"
@@ -122,6 +122,14 @@ class RolloutConfig(Section):
                     raise ValueError(f"rollout.{old} has moved: set {new} instead")
         return data
 
+    @field_validator("over_provision", mode="before")
+    @classmethod
+    def _ratio_or_auto(cls, value: Any) -> Any:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= 64.0
+        if value == "auto" or ok:
+            return value
+        raise ValueError(f"rollout.over_provision must be a number in [1, 64] or `auto` (got {value!r})")
+
     @model_validator(mode="after")
     def _check_tp(self) -> "RolloutConfig":
         s = self.sglang
@@ -143,12 +151,21 @@ class AutoStalenessConfig(Section):
     raise_wait_frac: float = Field(0.1, ge=0.0, le=1.0)
     """Generation is the bottleneck when the learner waited at least this share of the step for its batch (timing_s/rollout / timing_s/step); only then does eta go up."""
     raise_after: int = Field(2, ge=1, le=1000)
-    """Consecutive steps within budget and bottlenecked on generation before eta goes up by one."""
+    """Consecutive steps within budget and bottlenecked on generation before a setting goes up one step (eta first, then over-provisioning; lowered in reverse)."""
+    over_provision_min: float = Field(1.0, ge=1.0, le=64.0)
+    """Lowest `rollout.over_provision` that `auto` may choose; the run starts there."""
+    over_provision_max: float = Field(4.0, ge=1.0, le=64.0)
+    """Highest `rollout.over_provision` that `auto` may choose."""
+    over_provision_step: float = Field(0.5, gt=0.0, le=64.0)
+    """How much `auto` moves `rollout.over_provision` at a time."""
 
     @model_validator(mode="after")
     def _check(self) -> "AutoStalenessConfig":
         if self.min > self.max:
             raise ValueError(f"async.auto.min ({self.min}) must not exceed async.auto.max ({self.max})")
+        if self.over_provision_min > self.over_provision_max:
+            raise ValueError(f"async.auto.over_provision_min ({self.over_provision_min}) must not exceed "
+                             f"async.auto.over_provision_max ({self.over_provision_max})")
         if self.min_ess is None and self.max_k3 is None:
             raise ValueError("async.auto needs a budget: set async.auto.min_ess or async.auto.max_k3")
         return self
@@ -158,7 +175,7 @@ class AsyncConfig(Section):
     max_staleness: int | Literal["auto"] = 0
     """eta: most policy versions a token may lag the learner; enforced by admission control. `auto`: tuned every step within `async.auto` (docs/async.md)."""
     auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
-    """Bounds and budget of `max_staleness: auto` (ignored otherwise)."""
+    """Bounds and budget of `max_staleness: auto` and `rollout.over_provision: auto` (ignored otherwise)."""
     stale_policy: Literal["requeue", "drop"] = "requeue"
     """A group that still exceeds eta when batched (rare: batches are chosen earliest deadline first):
     regenerate it from its prompt (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from async_april.auto_staleness import AutoEta, StepSignals
+from async_april.auto_staleness import OffPolicyTuner, StepSignals
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
@@ -107,7 +107,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     plan = plan_pinning(cfg)
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
     hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
-    auto_eta = AutoEta.from_config(cfg.async_) if cfg.async_.max_staleness == "auto" else None
+    tuner = OffPolicyTuner.from_config(cfg)  # None unless eta or over-provisioning is `auto`
     driver_cores = process_cores()
     try:
         if plan is not None:
@@ -154,8 +154,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             run.step = step
             metrics.update(run.metrics(pool, learner.version))
             metrics.update({"timing_s/rollout": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
-            if auto_eta is not None:  # async.max_staleness: auto -- the next step's eta, from this one's figures
-                metrics.update(run.tune_eta(auto_eta, metrics, store))
+            if tuner is not None:  # `auto` settings: the next step's, from this one's figures
+                metrics.update(run.tune(tuner, metrics, store))
             if evaluator is not None and step == cfg.run.steps:
                 metrics.update(evaluator.finish())  # the final evaluation: nothing is left to train
             tracker.log(metrics)
@@ -186,7 +186,7 @@ class RunState:
                  checkpoint: Path | None = None, eta_streak: int = 0):
         self.cfg, self.model_shape, self.step, self.bad_steps = cfg, model_shape, step, bad_steps
         self.eta_streak = eta_streak
-        """async.max_staleness auto: consecutive steps that argued for a higher eta (the eta is the store's)."""
+        """`auto` settings: consecutive steps that argued for a raise (the settings are the store's)."""
         self.actor_restarts_before = actor_restarts
         self.last_checkpoint = checkpoint
         self.saved_step = step if checkpoint is not None else -1
@@ -213,19 +213,23 @@ class RunState:
                 "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
                 "rollout/actors_alive": len(pool.actors)}
 
-    def tune_eta(self, auto: AutoEta, metrics: dict[str, float], store) -> dict[str, float]:
-        """One decision of the auto-eta controller (async_april/auto_staleness.py) from this step's
-        metrics; a new eta goes to the store's admission at once. Returns `async/eta` (now in force)
-        and `async/eta_change` (-1, 0, +1)."""
+    def tune(self, tuner: OffPolicyTuner, metrics: dict[str, float], store) -> dict[str, float]:
+        """One decision of the auto-tuner (async_april/auto_staleness.py) from this step's metrics; a
+        changed setting goes to the store's admission at once. Returns `async/<knob>` (now in force)
+        and `async/<knob>_change` for each tuned knob."""
         import ray
 
-        eta = int(metrics["async/eta"])
-        new, self.eta_streak, decision = auto.decide(eta, self.eta_streak, StepSignals.from_metrics(metrics))
-        if new != eta:
-            ray.get(store.call.remote("set_max_staleness", new))
-            say(f"async.max_staleness auto: {decision} eta {eta} -> {new} (mismatch/ess "
-                f"{metrics.get('mismatch/ess', float('nan')):.3f}, mismatch/k3 {metrics.get('mismatch/k3', float('nan')):.2e})")
-        return {"async/eta": new, "async/eta_change": new - eta}
+        now = {k.name: metrics[f"async/{k.name}"] for k in tuner.knobs}
+        new, self.eta_streak, decision = tuner.decide(now, self.eta_streak, StepSignals.from_metrics(metrics))
+        out = {}
+        for name, value in new.items():
+            if value != now[name]:
+                setter = "set_max_staleness" if name == "eta" else "set_over_provision"
+                ray.get(store.call.remote(setter, int(value) if name == "eta" else value))
+                say(f"auto: {decision} {name} {now[name]:g} -> {value:g} (mismatch/ess {metrics.get('mismatch/ess', float('nan')):.3f}, "
+                    f"mismatch/k3 {metrics.get('mismatch/k3', float('nan')):.2e}, waited {StepSignals.from_metrics(metrics).wait_frac:.0%})")
+            out[f"async/{name}"], out[f"async/{name}_change"] = value, value - now[name]
+        return out
 
     def save(self, store, learner, pool, tracker: Tracker) -> Path:
         import ray
