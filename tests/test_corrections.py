@@ -151,7 +151,7 @@ def run_both(s, data=None):
     for key, value in want_metrics.items():
         assert float(metrics[key]) == pytest.approx(value, abs=1e-12), key
     # loss/policy is reported so that the _tokens-weighted mean is the batch's loss
-    assert float(metrics["loss/policy"]) == pytest.approx(float(want), rel=1e-12, abs=1e-14)
+    assert float(metrics["loss/policy"]) == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
     return want_metrics, g_tok, g_seq
 
 
@@ -241,11 +241,11 @@ def test_rejected_tokens_out_of_the_normaliser_stay_exact_across_micro_batches()
         loss, m = policy_loss(lp[rows], sub["beh"], sub["adv"], sub["mask"], s, g_tok, g_seq,
                               proximal_logprobs=sub["prox"], batch_tokens=float(data["mask"].sum()))
         loss.backward()
-        total, parts = total + float(loss), parts + [m]
+        total, parts = total + float(loss.detach()), parts + [m]
     want.backward()
-    assert total == pytest.approx(float(want), rel=1e-12)
+    assert total == pytest.approx(float(want.detach()), rel=1e-12)
     torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-12, atol=1e-14)
-    assert float(merge_metrics(parts)["loss/policy"]) == pytest.approx(float(want), rel=1e-12)
+    assert float(merge_metrics(parts)["loss/policy"]) == pytest.approx(float(want.detach()), rel=1e-12)
 
 
 def test_bad_settings_name_the_key():

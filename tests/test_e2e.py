@@ -68,6 +68,10 @@ def test_sync_run_from_the_cli_with_wandb_offline(sync_cli_run):
     for key in REQUIRED_KEYS:
         assert all(key in r for r in rows), f"{key} missing from metrics.jsonl"
     assert all(r["staleness/max"] == 0 for r in rows)  # synchronous: every token on-policy
+    # ... so the mismatch is the torch engine's numerics against the learner's (both fp32 here): tiny
+    assert all(r["mismatch/token_frac_lag0"] == 1.0 and r["mismatch/k3_lag0"] < 1e-6 and r["mismatch/ess_lag0"] > 0.9999
+               for r in rows), [(r["mismatch/k3_lag0"], r["mismatch/ess_lag0"]) for r in rows]
+    assert all(r["async/eta"] == 0 and r["async/over_provision"] == 1.0 for r in rows)
     assert all(0.0 <= r["perf/engine_kv_pad_frac"] < 1.0 for r in rows) and any(r["perf/engine_kv_pad_frac"] > 0 for r in rows)
     assert all(r["rollout/tokens"] > 0 and 0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)
     saved = (run_dir / "config.yaml").read_text()
