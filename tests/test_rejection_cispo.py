@@ -130,10 +130,10 @@ def test_cispo_objective_and_gradient_equal_the_loop_reference(weight_min):
     obj.sum().backward()
     for b in range(3):
         for t in range(4):
-            r = math.exp(float(lp[b, t]) - float(base[b, t]))
+            r = math.exp(float(lp.detach()[b, t]) - float(base[b, t]))
             w = min(r, weight_max) if weight_min is None else min(max(r, weight_min), weight_max)
             a = float(adv[b, t])
-            assert float(obj[b, t]) == pytest.approx(w * a * float(lp[b, t]), rel=1e-12)
+            assert float(obj.detach()[b, t]) == pytest.approx(w * a * float(lp.detach()[b, t]), rel=1e-12)
             # d/d lp of sg[w] * a * lp is w * a: the clip scales the gradient, never removes it
             assert float(lp.grad[b, t]) == pytest.approx(w * a, rel=1e-12)
             assert bool(clipped[b, t]) == (r > weight_max or (weight_min is not None and r < weight_min))
