@@ -261,3 +261,28 @@ def test_bad_settings_name_the_key():
     with pytest.raises(ValueError, match="proximal_logprobs"):
         policy_loss(data["lp"], data["beh"], data["adv"], data["mask"],
                     LossSettings(rejection=RejectionSettings(divergence="k2", high=0.1)), 18.0, 4.0)
+
+
+def test_gspo_takes_the_product_weight_when_asked_and_the_geometric_mean_otherwise():
+    data = stale_data()
+    mask = data["mask"]
+    logs = [[clamp20(float(data["prox"][b, t]) - float(data["beh"][b, t])) for t in range(6) if mask[b, t]] for b in range(4)]
+    for level, want in (("sequence_product", max(math.exp(clamp20(sum(x))) for x in logs)),
+                        ("token", max(math.exp(sum(x) / len(x)) for x in logs))):
+        s = LossSettings(loss="gspo", correction="decoupled", weight_level=level, weight_bound="none")
+        _, m = policy_loss(data["lp"], data["beh"], data["adv"], mask, s, 18.0, 4.0, proximal_logprobs=data["prox"])
+        assert float(m["is/weight_max"]) == pytest.approx(want, rel=1e-12), level
+
+
+def test_which_steps_need_the_proximal_forward():
+    from learners.update import needs_proximal_forward
+
+    out_of_normaliser = RejectionSettings(divergence="k3", high=0.1, keep_in_normalizer=False)
+    in_normaliser = RejectionSettings(divergence="k3", high=0.1)
+    assert not needs_proximal_forward(LossSettings(correction="decoupled"), 1)  # the training forward's values
+    assert needs_proximal_forward(LossSettings(correction="decoupled"), 2)
+    assert not needs_proximal_forward(LossSettings(rejection=in_normaliser), 1)
+    assert needs_proximal_forward(LossSettings(rejection=in_normaliser), 3)  # rejection against pi_prox
+    assert needs_proximal_forward(LossSettings(rejection=out_of_normaliser), 1)  # kept counts before the step
+    current = RejectionSettings(divergence="k3", high=0.1, against="current")
+    assert not needs_proximal_forward(LossSettings(rejection=current), 4)
