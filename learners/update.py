@@ -53,7 +53,9 @@ def needs_proximal_forward(settings: "LossSettings", mini_batches: int) -> bool:
 def kept_counts(local: "TrainBatch", settings: "LossSettings") -> tuple[int, int]:
     """(tokens, sequences) of `local` that rejection keeps, judged against its proximal logprobs:
     the normaliser when rejected tokens leave it (sum over ranks). A sequence counts if any of its
-    tokens is kept."""
+    tokens is kept. A rank with no rows of this mini-batch keeps nothing."""
+    if len(local) == 0:
+        return 0, 0
     r = settings.rejection
     mb = collate(local.input_ids, local.prompt_lens, local.behavior_logprobs, local.advantages,
                  proximal_logprobs=local.proximal_logprobs, loss_masks=local.loss_masks)

@@ -286,3 +286,21 @@ def test_which_steps_need_the_proximal_forward():
     assert needs_proximal_forward(LossSettings(rejection=out_of_normaliser), 1)  # kept counts before the step
     current = RejectionSettings(divergence="k3", high=0.1, against="current")
     assert not needs_proximal_forward(LossSettings(rejection=current), 4)
+
+
+def test_kept_counts_of_a_rank_without_rows_are_zero():
+    """A rank whose shard of a mini-batch is empty still joins the all-reduce of the kept counts."""
+    import numpy as np
+
+    from async_april.batch import TrainBatch
+    from learners.update import kept_counts
+
+    empty = TrainBatch([], np.zeros(0, np.int64), [], [], np.zeros(0, np.float32), 0, proximal_logprobs=[])
+    s = LossSettings(rejection=RejectionSettings(divergence="k3", high=0.1, keep_in_normalizer=False))
+    assert kept_counts(empty, s) == (0, 0)
+    two = TrainBatch([np.array([1, 2, 3]), np.array([1, 4, 5, 6])], np.array([1, 1]),
+                     [np.array([-1.0, -1.0], np.float32), np.array([-1.0, -1.0, -1.0], np.float32)], [np.zeros(2), np.zeros(3)],
+                     np.array([1.0, -1.0], np.float32), 0,
+                     proximal_logprobs=[np.array([-1.0, -3.0], np.float32), np.array([-1.0, -1.05, -1.0], np.float32)])
+    # row 0: k3 of d = -2 is e^-2 + 1 = 1.14 > 0.1 (rejected), d = 0 kept; row 1: all within 0.1
+    assert kept_counts(two, s) == (4, 2)
