@@ -54,11 +54,14 @@ class StalenessController:
         by_over_provision = self.max_groups_in_flight - untrained
         return max(0, min(by_staleness, by_over_provision))
 
-    def is_due(self, oldest_token_version: int, version: int) -> bool:
+    def is_due(self, oldest_token_version: int, version: int, eta: int | None = None) -> bool:
         """Whether a group whose oldest token is that version must be trained at `version` at the
-        latest (its deadline, oldest + eta, has come): one batch later it would exceed eta."""
-        return oldest_token_version >= 0 and oldest_token_version + self.max_staleness <= version
+        latest (its deadline, oldest + eta, has come): one batch later it would exceed eta.
+        `eta`: the group's own bound when eta changed since it was admitted (default: this one's)."""
+        eta = self.max_staleness if eta is None else eta
+        return oldest_token_version >= 0 and oldest_token_version + eta <= version
 
-    def is_stale(self, oldest_token_version: int, version: int) -> bool:
+    def is_stale(self, oldest_token_version: int, version: int, eta: int | None = None) -> bool:
         """Whether a group whose oldest token is that version exceeds eta if trained at `version`."""
-        return oldest_token_version >= 0 and version - oldest_token_version > self.max_staleness
+        eta = self.max_staleness if eta is None else eta
+        return oldest_token_version >= 0 and version - oldest_token_version > eta

@@ -11,7 +11,10 @@ trained, filtered, dropped or skipped (its learner step was skipped) -- and
 
 `RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor` wraps
 it as an async Ray actor whose `get_batch` waits without blocking pushes.
-Everything here, leases included, is saved by `state_dict()`.
+Everything here, leases included, is saved by `state_dict()`. (A little over
+400 lines: admission, work order, batching and accounting are one state
+machine over the same groups, and splitting it would spread each invariant
+over two files.)
 """
 
 from __future__ import annotations
@@ -59,7 +62,16 @@ class RolloutStore:
         self.dynamic_sampling = cfg.rollout.dynamic_sampling
         self.stale_policy = cfg.async_.stale_policy
         self.max_requeues = cfg.async_.max_requeues
-        self.controller = StalenessController(cfg.rollout.batch_groups, cfg.async_.max_staleness, cfg.rollout.over_provision)
+        self.auto_eta = cfg.async_.max_staleness == "auto"
+        self.auto_over_provision = cfg.rollout.over_provision == "auto"
+        self.over_provision = cfg.initial_over_provision
+        """Over-provisioning now: fixed, or moved by the controller (`set_over_provision`)."""
+        self.max_staleness = cfg.async_.initial_staleness
+        """eta now: fixed, or moved by the controller (`async.max_staleness: auto`, `set_max_staleness`)."""
+        self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
+        self.group_eta: dict[int, int] = {}
+        """eta each untrained group was admitted under: after eta is lowered it keeps that bound, so
+        no admitted group becomes too stale to train (async_april/auto_staleness.py)."""
         self.version = 0
         self.cursor = 0
         self.open_groups: dict[int, Group] = {}
@@ -120,6 +132,7 @@ class RolloutStore:
             return False
         p = self.cursor
         row = self.dataset.row(p)
+        self.group_eta[p] = self.max_staleness
         self.open_groups[p] = Group(
             prompt_index=p,
             samples=[Sample(prompt_index=p, sample_index=i, prompt_ids=row.prompt_ids, answer=row.answer, extra=row.extra) for i in range(self.n)],
@@ -164,6 +177,7 @@ class RolloutStore:
         rewards = group.rewards
         if self.dynamic_sampling and self.n > 1 and np.ptp(rewards) <= 1e-6:
             self.filtered.append(group.prompt_index)
+            self.group_eta.pop(group.prompt_index, None)
             self.counters.filtered_groups += 1
             self._waste(group, "filtered")
             return
@@ -196,6 +210,7 @@ class RolloutStore:
         self.completed = deque(g for g in self.completed if id(g) not in chosen)
         for g in batch:
             self.trained.append(g.prompt_index)
+            self.group_eta.pop(g.prompt_index, None)
             self.counters.aborted_tokens_reused += sum(self.aborted_len.pop(s.uid, 0) for s in g.samples)
         self.counters.trained_groups += len(batch)
         return batch
@@ -207,9 +222,13 @@ class RolloutStore:
         Generation continues meanwhile (partials resume first, oldest first), so the wait is the
         group's remaining tail; regenerating it would cost its whole length again."""
         v = self.version
-        if not any(self.controller.is_due(g.min_version(), v) and self._can_finish(g) for g in self.open_groups.values()):
+        if not any(self.controller.is_due(g.min_version(), v, self._eta(g)) and self._can_finish(g) for g in self.open_groups.values()):
             return False
-        return sum(self.controller.is_due(g.min_version(), v) for g in self.completed) < self.batch_groups
+        return sum(self.controller.is_due(g.min_version(), v, self._eta(g)) for g in self.completed) < self.batch_groups
+
+    def _eta(self, g: Group) -> int:
+        """The bound group `g` is held to: the eta it was admitted under, or today's if larger."""
+        return max(self.group_eta.get(g.prompt_index, self.max_staleness), self.max_staleness)
 
     def _can_finish(self, g: Group) -> bool:
         """False while one of its partials is held for weights newer than the current version (an
@@ -223,7 +242,7 @@ class RolloutStore:
     def _apply_stale_policy(self) -> None:
         keep: deque[Group] = deque()
         for g in self.completed:
-            if not self.controller.is_stale(g.min_version(), self.version):
+            if not self.controller.is_stale(g.min_version(), self.version, self._eta(g)):
                 keep.append(g)
             elif self.stale_policy == "drop":
                 self._drop(g)
@@ -236,6 +255,7 @@ class RolloutStore:
 
     def _drop(self, g: Group) -> None:
         self.dropped.append(g.prompt_index)
+        self.group_eta.pop(g.prompt_index, None)
         self.counters.dropped_groups += 1
         self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
         self._waste(g, "stale")
@@ -267,6 +287,21 @@ class RolloutStore:
             self.skipped.append(p)
         self.counters.skipped_groups += len(prompt_indices)
         self.counters.trained_groups -= len(prompt_indices)
+
+    def set_max_staleness(self, eta: int) -> None:
+        """Change eta (auto-tuning). Admission follows at once: a higher eta opens it, a lower one
+        closes it until the learner catches up. Groups admitted before keep the bound they were
+        admitted under (`group_eta`), so lowering eta never strands one."""
+        if eta < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {eta}")
+        self.max_staleness = int(eta)
+        self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
+
+    def set_over_provision(self, ratio: float) -> None:
+        """Change the cap on groups in flight (auto-tuning). Lowering it admits nothing new until the
+        groups in flight drain below the new cap; none of them is affected."""
+        self.over_provision = float(ratio)
+        self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
 
     def set_version(self, version: int) -> None:
         if version < self.version:
@@ -325,6 +360,8 @@ class RolloutStore:
             "rollout/samples_released": c.extra["samples_released"],
             "rollout/store_calls": c.extra["store_calls"],
             "rollout/groups_skipped_bad_step": c.skipped_groups,
+            "async/eta": self.max_staleness,
+            "async/over_provision": self.over_provision,
             "data/prompt_cursor": self.cursor,
             "data/rejected_long_prompts": self.dataset.rejected_long,
             "data/truncated_long_prompts": self.dataset.truncated_long,
@@ -332,7 +369,8 @@ class RolloutStore:
         }
 
     # -- checkpointing --------------------------------------------------------
-    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "max_requeues", "n", "batch_groups", "_changed")
+    _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "max_requeues", "n", "batch_groups",
+                  "auto_eta", "auto_over_provision", "_changed")
 
     def state_dict(self) -> dict:
         """Everything needed to continue. Leased samples are saved as the store last saw
@@ -349,7 +387,11 @@ class RolloutStore:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        configured = self.max_staleness, self.over_provision
         self.__dict__.update(copy.deepcopy(state))
+        # Tuned settings continue from the checkpoint; fixed ones are the config's (it may have been changed).
+        self.over_provision = self.over_provision if self.auto_over_provision else configured[1]
+        self.set_max_staleness(self.max_staleness if self.auto_eta else configured[0])
 
 
 class RolloutStoreActor(RolloutStore):

@@ -13,9 +13,14 @@ ratio of each median to sync's. A PNG plots reward against wall time.
         # sync and async at eta 4: correction direct / decoupled / decoupled with 4 mini-batches / none
     python benchmarks/time_to_reward.py --ablation --with-modes ...   # the async preset too (one run)
     python benchmarks/time_to_reward.py --policies --seeds 1234 7 42   # async, on_weight_update interrupt vs continue
+    python benchmarks/time_to_reward.py --corrections --seeds 1234 7 42 --steps 160
+        # async at eta 4: direct, decoupled, CISPO, rejection by k3 (sequence max), TRL's off-policy mask,
+        # the product sequence weight (issue 29)
+    python benchmarks/time_to_reward.py --auto-eta --seeds 1234 7 42   # fixed eta 0, 1, 2, 4 vs async.max_staleness: auto
     python benchmarks/time_to_reward.py --ablation ... --resume   # keep the finished runs of a cut-short benchmark
 
-Writes benchmarks/results/time_to_reward.json (or correction_ablation.json, in_flight_ttr.json) and a PNG beside it.
+Writes benchmarks/results/time_to_reward.json (or correction_ablation.json, in_flight_ttr.json,
+correction_family.json, auto_eta.json) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,22 @@ from common import MODES, RESULTS, final_reward, mode_config, reward_curve, run,
 
 from async_april.plot import plot_curves
 from async_april.tracking import progress
+
+
+ETA4 = ["async.max_staleness=4", "rollout.over_provision=5"]
+CORRECTIONS = [
+    ("eta4 direct", ["algorithm.correction=direct"]),
+    ("eta4 decoupled", ["algorithm.correction=decoupled"]),
+    ("eta4 cispo", ["algorithm.loss=cispo"]),
+    ("eta4 decoupled cispo", ["algorithm.correction=decoupled", "algorithm.loss=cispo"]),
+    ("eta4 reject k3 seq max", ["algorithm.correction=decoupled", "algorithm.rejection.divergence=k3",
+                                "algorithm.rejection.level=sequence_max", "algorithm.rejection.high=0.5"]),
+    ("eta4 trl off-policy mask", ["algorithm.rejection.divergence=k1", "algorithm.rejection.level=sequence_mean",
+                                  "algorithm.rejection.high=0.05", "algorithm.rejection.against=current",
+                                  "algorithm.rejection.negative_advantages_only=true"]),
+    ("eta4 decoupled seq product", ["algorithm.correction=decoupled", "algorithm.weight_level=sequence_product"]),
+]
+"""issue 29's correction family beside direct and decoupled; thresholds are starting points, not tuned."""
 
 
 def run_one(label: str, mode: str, seed: int, steps: int, target: float, tmp: Path, extra: list[str]) -> dict:
@@ -108,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="sync and async at eta 4: correction direct, decoupled (1 and 4 mini-batches), none")
     ap.add_argument("--with-modes", action="store_true", help="with --ablation: also the async preset (time to reward)")
     ap.add_argument("--policies", action="store_true", help="async with on_weight_update interrupt vs continue")
+    ap.add_argument("--corrections", action="store_true", help="async at eta 4: the correction family of issue 29")
+    ap.add_argument("--auto-eta", action="store_true", help="async at fixed eta 0, 1, 2, 4 vs max_staleness: auto")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in the results JSON (same label, seed and steps) and run only the rest")
     a = ap.parse_args(argv)
@@ -116,8 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     if a.policies:
         plans = [(f"async {p}", "async", [f"rollout.on_weight_update={p}"]) for p in ("interrupt", "continue")]
         baseline, name = "async interrupt", "in_flight_ttr"
+    elif a.corrections:
+        plans, baseline, name = [(label, "async", ETA4 + extra) for label, extra in CORRECTIONS], "eta4 direct", "correction_family"
+    elif a.auto_eta:
+        fixed = [(f"eta {e}", "async", [f"async.max_staleness={e}", "rollout.over_provision=5"]) for e in (0, 1, 2, 4)]
+        auto = ("eta auto", "async", ["async.max_staleness=auto", "async.auto.max=4", "rollout.over_provision=5"])
+        plans, baseline, name = fixed + [auto], "eta 0", "auto_eta"
     elif a.ablation:
-        eta4 = ["async.max_staleness=4", "rollout.over_provision=5"]
+        eta4 = ETA4
         plans = [("sync", "sync", [])] + [
             (label, "async", eta4 + extra) for label, extra in [
                 ("async eta4 direct", ["algorithm.correction=direct"]),

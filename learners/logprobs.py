@@ -72,6 +72,8 @@ class MicroBatch:
     """[B]"""
     proximal_logprobs: torch.Tensor | None = None
     """[B, Tresp] the pre-update policy's logprobs when the step has several mini-batches (zero on padding)."""
+    token_lags: torch.Tensor | None = None
+    """[B, Tresp] int64 policy version minus each token's version (zero on padding), for the mismatch metrics."""
 
     @property
     def num_tokens(self) -> int:
@@ -91,9 +93,12 @@ def collate(
     pad_id: int = 0,
     proximal_logprobs: list[np.ndarray] | None = None,
     loss_masks: list[np.ndarray] | None = None,
+    versions: list[np.ndarray] | None = None,
+    policy_version: int = 0,
 ) -> MicroBatch:
     """Right-pad a list of rows into a `MicroBatch`. `loss_masks` (per response token, 0 for
-    environment tokens) becomes part of `response_mask`, so loss, normalisers and metrics skip them."""
+    environment tokens) becomes part of `response_mask`, so loss, normalisers and metrics skip them.
+    `versions` (per response token) with the batch's `policy_version` give `token_lags`."""
     n = len(input_ids)
     seq_len = max(len(x) for x in input_ids)
     resp_len = max(max((len(b) for b in behavior_logprobs), default=0), 1)
@@ -115,8 +120,14 @@ def collate(
         for i, x in enumerate(proximal_logprobs):
             prox[i, : len(x)] = x
         prox = t(prox)
+    lags = None
+    if versions is not None:
+        lags = np.zeros((n, resp_len), np.int64)
+        for i, v in enumerate(versions):
+            lags[i, : len(v)] = policy_version - np.asarray(v, np.int64)
+        lags = t(lags)
     return MicroBatch(t(ids), t(attn), t(np.asarray(prompt_lens, np.int64)), t(rmask), t(blp),
-                      t(np.asarray(advantages, np.float32)), prox)
+                      t(np.asarray(advantages, np.float32)), prox, lags)
 
 
 def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False):

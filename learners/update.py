@@ -25,7 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from async_april.algorithms.rejection import rejection_keep
+from learners.logprobs import collate
+
 if TYPE_CHECKING:
+    from async_april.algorithms.losses import LossSettings
     from async_april.batch import TrainBatch
 
 
@@ -37,9 +41,29 @@ def split_mini_batches(batch: "TrainBatch", mini_batches: int) -> list["TrainBat
     return [batch.select(rows) for rows in np.array_split(np.arange(len(batch)), mini_batches)]
 
 
-def needs_proximal_forward(correction: str, mini_batches: int) -> bool:
-    """Whether the step needs the pre-update policy's logprobs from a separate no-grad forward."""
-    return correction in ("decoupled", "none") and mini_batches > 1
+def needs_proximal_forward(settings: "LossSettings", mini_batches: int) -> bool:
+    """Whether the step needs the pre-update policy's logprobs from a separate no-grad forward: with
+    several mini-batches whenever the loss reads them (decoupled, none, rejection against pi_prox);
+    with one, only to count the tokens rejection keeps before the step (rejected tokens out of the
+    normaliser), since otherwise the training forward's own values, detached, are pi_prox."""
+    reads_prox = settings.correction == "none" or settings.needs_proximal
+    return (reads_prox and mini_batches > 1) or settings.rejection.counts_before_step
+
+
+def kept_counts(local: "TrainBatch", settings: "LossSettings") -> tuple[int, int]:
+    """(tokens, sequences) of `local` that rejection keeps, judged against its proximal logprobs:
+    the normaliser when rejected tokens leave it (sum over ranks). A sequence counts if any of its
+    tokens is kept. A rank with no rows of this mini-batch keeps nothing."""
+    if len(local) == 0:
+        return 0, 0
+    r = settings.rejection
+    mb = collate(local.input_ids, local.prompt_lens, local.behavior_logprobs, local.advantages,
+                 proximal_logprobs=local.proximal_logprobs, loss_masks=local.loss_masks)
+    mask = mb.response_mask.bool()
+    adv = mb.advantages.double().unsqueeze(-1).expand(mask.shape) if r.negative_advantages_only else None
+    keep = rejection_keep(mb.proximal_logprobs.double(), mb.behavior_logprobs.double(), mask, r.divergence, r.level,
+                          r.low, r.high, adv)
+    return int(keep.sum()), int(keep.any(dim=-1).sum())
 
 
 def mean_over_mini_batches(per_mini: list[dict[str, float]]) -> dict[str, float]:
@@ -48,7 +72,7 @@ def mean_over_mini_batches(per_mini: list[dict[str, float]]) -> dict[str, float]
     if not per_mini:
         return {}
     out: dict[str, float] = {}
-    for key in per_mini[0]:
+    for key in dict.fromkeys(k for m in per_mini for k in m):  # a lag may have tokens in some mini-batches only
         values = [m[key] for m in per_mini if key in m]
         if key.endswith("_max"):
             out[key] = max(values)

@@ -6,7 +6,9 @@ runs under torchrun or in a single process (world_size=1) for tests.
     train_step(batch):
         mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)
         rows of this rank = mini.shard(rank, world)        global_tokens / sequences from the FULL mini-batch
-        [decoupled/none, several mini-batches: proximal logprobs of every row, no grad, pre-update weights]
+        [decoupled/none/rejection against pi_prox, several mini-batches, or rejected tokens out of the
+         normaliser: proximal logprobs of every row, no grad, pre-update weights (learners/update.py)]
+        [rejected tokens out of the normaliser: global_tokens / sequences = the KEPT ones, summed over ranks]
         for each mini-batch:
           micro-batches by token budget (same count on every rank; empty ones run a zero-loss forward)
           for each micro-batch: logprobs (grad) + entropy [+ proximal: precomputed, or logprobs.detach()
@@ -39,7 +41,7 @@ from learners import lora
 from learners.hf_dir import write_hf_dir
 from learners.logprobs import collate, response_logprobs
 from learners.optim import make_lr_scheduler, peak_flops
-from learners.update import mean_over_mini_batches, needs_proximal_forward, pack_micro_batches, split_mini_batches
+from learners.update import kept_counts, mean_over_mini_batches, needs_proximal_forward, pack_micro_batches, split_mini_batches
 from learners.weight_export import WeightExport
 from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
 
@@ -137,7 +139,7 @@ class LearnerWorker(WeightExport):
         lc = self.cfg.learner
         minis = split_mini_batches(batch, lc.mini_batches)  # identical on every rank
         parts = [m.shard(self.rank, self.world_size) for m in minis]
-        if needs_proximal_forward(self.cfg.algorithm.correction, lc.mini_batches):
+        if needs_proximal_forward(self.loss_settings, lc.mini_batches):
             parts = [self._with_proximal(p) for p in parts]  # all of it before the first update
         lr = self.scheduler.get_last_lr()[0]
         inject_nan = self.step + 1 in self._inject_nan_steps
@@ -174,13 +176,20 @@ class LearnerWorker(WeightExport):
         """One optimizer step on mini-batch `mini`, of which this rank trains `local`. The loss is
         normalised by the whole mini-batch's tokens and sequences (all micro-batches, all ranks)."""
         from async_april.algorithms.losses import policy_loss
+        from async_april.algorithms.mismatch import finalize_mismatch
 
-        global_tokens, global_sequences = float(mini.num_response_tokens), float(len(mini))
+        batch_tokens = float(mini.num_response_tokens)
+        global_tokens, global_sequences = batch_tokens, float(len(mini))
+        if self.loss_settings.rejection.counts_before_step:  # rejected tokens leave the normaliser
+            kept = torch.tensor(kept_counts(local, self.loss_settings), dtype=torch.int64, device=self.device)
+            dist.all_reduce(kept, op=dist.ReduceOp.SUM)
+            # Every token rejected: the loss is zero whatever divides it.
+            global_tokens, global_sequences = float(max(int(kept[0]), 1)), float(max(int(kept[1]), 1))
         lengths = np.array([len(x) for x in local.input_ids], np.int64)
         groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
         temperature = self.cfg.rollout.temperature
-        decoupled = self.cfg.algorithm.correction == "decoupled"
+        reads_prox = self.loss_settings.needs_proximal
 
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -198,13 +207,14 @@ class LearnerWorker(WeightExport):
                     ref_lp = response_logprobs(self.ref_model, mb, temperature)
             logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)
             prox = mb.proximal_logprobs
-            if prox is None and decoupled:
+            if prox is None and reads_prox:
                 # One update per batch: the pre-update (proximal) policy IS the current parameters,
                 # so its logprobs are these values without gradient -- no second forward.
                 prox = logprobs.detach()
             loss, metrics = policy_loss(
                 logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, self.loss_settings,
                 global_tokens, global_sequences, proximal_logprobs=prox, ref_logprobs=ref_lp,
+                token_lags=mb.token_lags, max_lag=self.cfg.async_.max_lag, batch_tokens=batch_tokens,
             )  # fmt: skip
             if i == 0 and inject_nan:
                 loss = loss * float("nan")  # test hook, see INJECT_NAN_ENV
@@ -236,7 +246,7 @@ class LearnerWorker(WeightExport):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps = 0
-        out = merge_rank_metrics([m for g in gathered for m in g["micro"]])
+        out = finalize_mismatch(merge_rank_metrics([m for g in gathered for m in g["micro"]]))
         out.update({
             "loss/total": total_loss,
             "train/grad_norm": grad_norm,
@@ -267,7 +277,8 @@ class LearnerWorker(WeightExport):
 
     def _collate(self, sub: "TrainBatch"):
         return collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id,
-                       proximal_logprobs=sub.proximal_logprobs, loss_masks=sub.loss_masks)
+                       proximal_logprobs=sub.proximal_logprobs, loss_masks=sub.loss_masks,
+                       versions=sub.versions, policy_version=sub.policy_version)
 
     def _zero_loss_backward(self) -> None:
         dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)

@@ -21,7 +21,8 @@ REQUIRED_KEYS = [
     "perf/rollout_tokens_per_s", "timing_s/rollout", "timing_s/train", "timing_s/weight_sync", "loss/policy",
     "staleness/max", "staleness/mean", "perf/engine_idle_frac", "rollout/inflight", "rollout/partial_resumed",
     "rollout/aborted_tokens_reused", "rollout/groups_filtered", "is/weight_mean", "loss/clip_frac", "reward/reverse_match",
-    "perf/engine_batch_occupancy", "perf/engine_kv_pad_frac",
+    "perf/engine_batch_occupancy", "perf/engine_kv_pad_frac", "async/eta", "mismatch/k1", "mismatch/k3", "mismatch/ess",
+    "mismatch/k3_lag0", "mismatch/ess_lag0", "is/rejected_frac", "async/over_provision",
 ]
 
 
@@ -67,6 +68,10 @@ def test_sync_run_from_the_cli_with_wandb_offline(sync_cli_run):
     for key in REQUIRED_KEYS:
         assert all(key in r for r in rows), f"{key} missing from metrics.jsonl"
     assert all(r["staleness/max"] == 0 for r in rows)  # synchronous: every token on-policy
+    # ... so the mismatch is the torch engine's numerics against the learner's (both fp32 here): tiny
+    assert all(r["mismatch/token_frac_lag0"] == 1.0 and r["mismatch/k3_lag0"] < 1e-6 and r["mismatch/ess_lag0"] > 0.9999
+               for r in rows), [(r["mismatch/k3_lag0"], r["mismatch/ess_lag0"]) for r in rows]
+    assert all(r["async/eta"] == 0 and r["async/over_provision"] == 1.0 for r in rows)
     assert all(0.0 <= r["perf/engine_kv_pad_frac"] < 1.0 for r in rows) and any(r["perf/engine_kv_pad_frac"] > 0 for r in rows)
     assert all(r["rollout/tokens"] > 0 and 0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)
     saved = (run_dir / "config.yaml").read_text()
@@ -152,6 +157,22 @@ def test_april_preset_resumes_and_trains_every_aborted_token(tmp_path):
     assert max(r["staleness/max"] for r in rows) <= 1
     assert sum(r["staleness/max"] == 1 for r in rows) >= 3, "staleness never built up to eta"
 
+
+
+def test_auto_eta_raises_while_generation_is_the_bottleneck_and_admission_follows(tmp_path):
+    """`async.max_staleness: auto` with a budget that always holds and a zero wait threshold: eta goes
+    up one per step to `async.auto.max`, every change is logged, and no token ever lags more than
+    the eta in force when its group was admitted (the store checks its accounting every step)."""
+    proc, run_dir = train_cli(tmp_path, mode_config(tmp_path, "async"), "run.steps=3", "async.max_staleness=auto",
+                              "async.auto.max=2", "async.auto.min_ess=0.01", "async.auto.raise_wait_frac=0",
+                              "async.auto.raise_after=1")
+    rows = metrics(run_dir)
+    assert [r["async/eta"] for r in rows] == [1, 2, 2]  # the eta decided after each step
+    assert [r["async/eta_change"] for r in rows] == [1, 1, 0]
+    assert "auto: raise eta 0 -> 1" in proc.stderr and "auto: raise eta 1 -> 2" in proc.stderr
+    assert rows[0]["staleness/max"] == 0  # step 1's groups were admitted at eta 0
+    assert max(r["staleness/max"] for r in rows) <= 2
+    assert all(0 < r["mismatch/ess"] <= 1 for r in rows)
 
 
 def test_async_preset_never_exceeds_eta(async_run_stopped_by_sigterm):

@@ -232,6 +232,60 @@ def test_mini_batches_with_decoupled_correction_match_a_plain_loop(model_path):
                        {k: v for k, v in ref_sd.items() if k not in noise_driven}, atol=1e-4)
 
 
+def test_rejected_tokens_out_of_the_normaliser_and_mismatch_metrics_match_a_plain_loop(model_path):
+    """Rejection by token k3 against pi_prox with rejected tokens out of the normaliser, one mini-batch
+    split into micro-batches: the learner counts the kept tokens before the step (a no-grad forward)
+    and its update equals one plain AdamW step on the whole batch normalised by those counts. The
+    step's mismatch metrics (KL k1 and the token shares by lag) equal the values computed by hand."""
+    from transformers import AutoModelForCausalLM
+
+    from async_april.algorithms.losses import LossSettings, policy_loss
+
+    batch = stale_batch(model_path, seed=6)
+    batch.policy_version = 2
+    batch.versions = [np.full(len(b), i % 3, np.int64) for i, b in enumerate(batch.behavior_logprobs)]  # lags 2, 1, 0
+    lengths = np.array([len(x) for x in batch.input_ids])
+    algorithm = {"rejection": {"divergence": "k3", "high": 0.002, "keep_in_normalizer": False}}
+    cfg = make_cfg(lr=3e-2, warmup_steps=0, max_tokens_per_microbatch=max(16, int(lengths.max())), algorithm=algorithm)
+    cfg.async_.max_staleness = 2
+    with local_worker(cfg, model_path) as w:
+        m = w.train_step(batch)
+        sd = w.full_state_dict()
+    assert m["train/micro_batches"] > 1
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, betas=cfg.learner.betas, weight_decay=0.01, eps=1e-8)
+    mb = collate(batch.input_ids, batch.prompt_lens, batch.behavior_logprobs, batch.advantages)
+    logprobs = response_logprobs(model, mb, TEMPERATURE)
+    mask = mb.response_mask.bool()
+    d = (logprobs.detach() - mb.behavior_logprobs).double()
+    kept = mask & ((torch.exp(d) - d - 1.0) <= 0.002)
+    assert 0 < int(kept.sum()) < int(mask.sum())  # some rejected, some kept
+    settings = LossSettings.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+    loss, _ = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, settings,
+                          float(kept.sum()), float(kept.any(-1).sum()), proximal_logprobs=logprobs.detach())
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.grad_clip)
+    opt.step()
+    assert m["loss/total"] == pytest.approx(float(loss.detach()), abs=1e-6)
+    assert m["is/rejected_frac"] == pytest.approx(1 - float(kept.sum()) / float(mask.sum()), abs=1e-6)
+    # As in the mini-batch test above; AdamW's first step is lr * g / (|g| + eps), so an element whose
+    # gradient is ~eps moves by a rounding-dependent fraction of lr: compared to 1% of a step.
+    noise_driven = [k for k in sd if k.endswith("k_proj.bias")]
+    assert_close_dicts({k: v for k, v in sd.items() if k not in noise_driven},
+                       {k: v for k, v in model.state_dict().items() if k not in noise_driven}, atol=3e-4)
+
+    assert m["mismatch/k1"] == pytest.approx(float(-d[mask].mean()), abs=1e-6)
+    lag_rows = np.array([i % 3 for i in range(len(batch))])
+    tokens = np.array([len(b) for b in batch.behavior_logprobs])
+    for lag in (0, 1, 2):
+        rows = lag_rows == 2 - lag
+        assert m[f"mismatch/token_frac_lag{lag}"] == pytest.approx(tokens[rows].sum() / tokens.sum(), abs=1e-6)
+        assert m[f"mismatch/k1_lag{lag}"] == pytest.approx(float(-d[torch.from_numpy(rows)][mask[torch.from_numpy(rows)]].mean()), abs=1e-5)
+    assert 0 < m["mismatch/ess"] <= 1 and 0 < m["mismatch/ess_lag0"] <= 1
+
+
 def test_export_hf_roundtrip(model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -17,6 +17,7 @@ from async_april.algorithms.losses import (
     policy_loss,
 )
 from async_april.algorithms.metrics import staleness_metrics
+from async_april.algorithms.rejection import RejectionSettings
 from async_april.config import AlgorithmConfig
 
 F64 = torch.float64
@@ -426,7 +427,11 @@ def test_from_config_mirrors_algorithm_config():
     s = LossSettings.from_config(cfg, max_new_tokens=48)
     for name in LossSettings.__dataclass_fields__:
         expected = 48.0 if name == "constant_normalizer" else getattr(cfg, name)
+        if name == "rejection":  # a nested section becomes a nested dataclass, field for field
+            expected = RejectionSettings(**cfg.rejection.model_dump())
         assert getattr(s, name) == expected, name
+    rej = AlgorithmConfig(rejection={"divergence": "k3", "level": "sequence_max", "high": 0.5, "keep_in_normalizer": False})
+    assert LossSettings.from_config(rej, 48).rejection == RejectionSettings("k3", "sequence_max", None, 0.5, "proximal", False, False)
     assert LossSettings.from_config(AlgorithmConfig(constant_normalizer=100.0), 48).constant_normalizer == 100.0
     assert LossSettings.from_config(AlgorithmConfig(), 48) == LossSettings(constant_normalizer=48.0)
 

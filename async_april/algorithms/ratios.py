@@ -17,17 +17,17 @@ import torch
 # they get zero gradient, as a clipped token would.
 MAX_LOG_RATIO = 20.0
 
-LossKind = Literal["ppo", "gspo"]
+LossKind = Literal["ppo", "gspo", "cispo"]
 Correction = Literal["direct", "decoupled", "none"]
 WeightBound = Literal["truncate", "mask", "none"]
-WeightLevel = Literal["token", "sequence"]
+WeightLevel = Literal["token", "sequence", "sequence_product"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
 
 _CHOICES = {
-    "loss": ("ppo", "gspo"),
+    "loss": ("ppo", "gspo", "cispo"),
     "correction": ("direct", "decoupled", "none"),
     "weight_bound": ("truncate", "mask", "none"),
-    "weight_level": ("token", "sequence"),
+    "weight_level": ("token", "sequence", "sequence_product"),
     "aggregation": ("token_mean", "seq_mean_token_mean", "constant"),
 }
 
@@ -84,24 +84,29 @@ def importance_weight(
     """Detached decoupled weight w = pi_prox / pi_behav, [B, T].
 
     level "token": per token. level "sequence": exp(mean over the sequence's real tokens of
-    log w), broadcast over the sequence. Padding holds 1.
+    log w), the geometric mean, broadcast over the sequence. level "sequence_product": the true
+    sequence weight prod_t w_t = exp(sum of log w_t), summed in log space and clamped to
+    +-MAX_LOG_RATIO before exp (verl rollout_is="sequence"), broadcast. Padding holds 1.
     """
     log_w = _log_ratio(proximal_logprobs.detach(), behavior_logprobs.detach(), mask)
     if level == "sequence":
         log_w = _seq_mean(log_w, mask).unsqueeze(-1).expand_as(log_w)
+    elif level == "sequence_product":
+        log_w = log_w.sum(dim=-1).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).unsqueeze(-1).expand_as(log_w)
     return torch.exp(log_w)
 
 
 def bound_weight(
-    weight: torch.Tensor, bound: WeightBound, cap: float, low: float, high: float
+    weight: torch.Tensor, bound: WeightBound, cap: float, low: float, high: float, floor: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bound a [B, T] weight. Returns (bounded weight, bool [B, T] where the bound acted).
 
-    truncate: min(w, cap) (TIS). mask: w where low <= w <= high, else 0 (the token's loss is
+    truncate: clamp(w, floor, cap) (TIS; slime's tis_clip_low / tis_clip; floor 0 is min(w, cap)).
+    mask: w where low <= w <= high, else 0 (the token's loss is
     dropped; it still counts in the normaliser). none: w unchanged.
     """
     if bound == "truncate":
-        return weight.clamp(max=cap), weight > cap
+        return weight.clamp(min=floor, max=cap), (weight > cap) | (weight < floor)
     if bound == "mask":
         keep = (weight >= low) & (weight <= high)
         return torch.where(keep, weight, torch.zeros_like(weight)), ~keep

@@ -9,21 +9,56 @@ from pydantic import Field, model_validator
 from async_april.config.base import Section
 
 
+class RejectionConfig(Section):
+    divergence: Literal["none", "k1", "k2", "k3"] = "none"
+    """Reject tokens whose divergence between the behaviour policy and `against` leaves [`low`, `high`]: k1 = log pi_behav - log pi_target (signed), k2 = (log ratio)^2 / 2, k3 = r - 1 - log r with r = pi_target / pi_behav; none turns rejection off."""
+    level: Literal["token", "sequence_sum", "sequence_mean", "sequence_max"] = "token"
+    """Judge each token by its own divergence, or whole sequences by the sum, mean or max over their tokens (a rejected sequence loses every token)."""
+    low: float | None = None
+    """Lowest divergence kept (None: no lower bound); useful for the signed k1."""
+    high: float | None = Field(None, ge=0.0)
+    """Highest divergence kept (None: no upper bound)."""
+    against: Literal["proximal", "current"] = "proximal"
+    """Target policy: the learner's pre-update (proximal) policy, or the current one at each micro-batch (TRL's off-policy mask)."""
+    negative_advantages_only: bool = False
+    """Reject only tokens with a negative advantage; positive ones always stay (TRL / DeepSeek-V3.2 off-policy sequence mask)."""
+    keep_in_normalizer: bool = True
+    """A rejected token gets zero loss but still counts in the loss normaliser (slime), or leaves it (verl; then the learner counts the kept tokens of the batch before the step, which needs against=proximal)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RejectionConfig":
+        # The same checks as algorithms/rejection.py RejectionSettings (this module imports no torch).
+        if self.divergence == "none":
+            return self
+        if self.low is None and self.high is None:
+            raise ValueError(f"algorithm.rejection.divergence={self.divergence} rejects nothing without a bound; "
+                             "set algorithm.rejection.high (and/or low)")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"algorithm.rejection.low ({self.low}) must not exceed algorithm.rejection.high ({self.high})")
+        if not self.keep_in_normalizer and self.against == "current":
+            raise ValueError(
+                "algorithm.rejection.keep_in_normalizer=false needs algorithm.rejection.against=proximal: the learner "
+                "counts the kept tokens of the whole batch before the step, and the current policy moves during it")
+        return self
+
+
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """Advantage estimator over each group's rewards."""
     adv_eps: float = Field(1e-6, gt=0.0)
     """Added to the group std in GRPO normalisation."""
-    loss: Literal["ppo", "gspo"] = "ppo"
-    """Policy loss: token-level PPO-clip or GSPO's sequence-level ratio."""
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss: token-level PPO-clip, GSPO's sequence-level ratio, or CISPO (MiniMax-M1: the clipped ratio as a detached weight on log pi_theta; every token keeps its gradient)."""
     correction: Literal["direct", "decoupled", "none"] = "direct"
     """direct (CoPRIS): ratio to the behaviour policy. decoupled (AReaL): ratio to the proximal policy times a bounded weight. none: ignore the behaviour policy (ablations only; biased off-policy)."""
     weight_bound: Literal["truncate", "mask", "none"] = "truncate"
     """How the decoupled IS weight is bounded: truncate at `weight_cap`, mask outside [`mask_low`, `mask_high`], or not at all."""
-    weight_level: Literal["token", "sequence"] = "token"
-    """Bound the IS weight per token or per sequence (geometric mean)."""
+    weight_level: Literal["token", "sequence", "sequence_product"] = "token"
+    """The decoupled IS weight per token, per sequence as the geometric mean of its token weights, or per sequence as their product (the true sequence weight, computed in log space, clamped at e^20, then bounded)."""
     weight_cap: float = Field(2.0, ge=1.0)
     """Truncation cap C for the IS weight."""
+    weight_floor: float = Field(0.0, ge=0.0, le=1.0)
+    """Truncation: the lowest IS weight used (weights below are raised to it; slime's tis_clip_low). 0: no lower clamp."""
     mask_low: float = Field(0.5, gt=0.0, le=1.0)
     """Mask: lowest IS weight kept."""
     mask_high: float = Field(2.0, ge=1.0)
@@ -38,12 +73,18 @@ class AlgorithmConfig(Section):
     """GSPO sequence-ratio clip below 1."""
     gspo_clip_high: float = Field(4e-4, ge=0.0, le=1.0)
     """GSPO sequence-ratio clip above 1."""
+    cispo_weight_min: float | None = Field(None, ge=0.0, le=1.0)
+    """CISPO: lowest value of the clipped ratio; None: no lower bound (MiniMax-M1, TRL)."""
+    cispo_weight_max: float = Field(5.0, ge=1.0, le=100.0)
+    """CISPO: highest value of the clipped ratio (TRL's epsilon_high for cispo; 5.0 is the ScaleRL recommendation)."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
     """Loss aggregation: over all tokens, over sequences of token-means, or Dr.GRPO's constant normaliser."""
     constant_normalizer: float | None = Field(None, gt=0.0)
     """Dr.GRPO normaliser; None uses `rollout.max_new_tokens` times the number of sequences."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Coefficient of the k3 KL penalty to the reference (initial) policy; 0 turns it off."""
+    rejection: RejectionConfig = Field(default_factory=RejectionConfig)
+    """Rejection sampling of tokens or sequences by divergence (verl rollout_rs, TRL off-policy mask); off by default."""
 
     @model_validator(mode="after")
     def _check_mask(self) -> "AlgorithmConfig":

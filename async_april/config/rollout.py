@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from async_april.config.base import Section
 
@@ -92,8 +92,8 @@ class RolloutConfig(Section):
     """Requests in flight per engine."""
     max_batch_tokens: int = Field(8192, ge=16)
     """Torch engine: cap on tokens (prompt + generated) held by the running batch."""
-    over_provision: float = Field(1.0, ge=1.0, le=64.0)
-    """APRIL: groups launched per batch as a multiple of `batch_groups`; the rest are aborted and resumed later."""
+    over_provision: float | Literal["auto"] = 1.0
+    """APRIL: groups launched per batch as a multiple of `batch_groups` (1 to 64); the rest are aborted and resumed later. It also caps the groups in flight, so generation runs ahead by eta only with over_provision >= eta + 1. `auto`: tuned every step within `async.auto` (docs/async.md)."""
     early_stop: bool = False
     """APRIL: once a batch is complete, abort in-flight requests; their partials resume first with the next weights."""
     on_weight_update: Literal["interrupt", "drain", "continue"] = "drain"
@@ -122,6 +122,14 @@ class RolloutConfig(Section):
                     raise ValueError(f"rollout.{old} has moved: set {new} instead")
         return data
 
+    @field_validator("over_provision", mode="before")
+    @classmethod
+    def _ratio_or_auto(cls, value: Any) -> Any:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= 64.0
+        if value == "auto" or ok:
+            return value
+        raise ValueError(f"rollout.over_provision must be a number in [1, 64] or `auto` (got {value!r})")
+
     @model_validator(mode="after")
     def _check_tp(self) -> "RolloutConfig":
         s = self.sglang
@@ -131,12 +139,63 @@ class RolloutConfig(Section):
         return self
 
 
+class AutoStalenessConfig(Section):
+    min: int = Field(0, ge=0, le=1000)
+    """Lowest eta `auto` may choose; the run starts there."""
+    max: int = Field(4, ge=0, le=1000)
+    """Highest eta `auto` may choose."""
+    min_ess: float | None = Field(0.9, gt=0.0, le=1.0)
+    """Budget: lowest normalised effective sample size of the token IS weights pi_theta / pi_behav (mismatch/ess) a step may have; below it eta goes down. None: no ESS budget."""
+    max_k3: float | None = Field(None, gt=0.0)
+    """Budget: highest k3 KL(pi_behav || pi_theta) per token (mismatch/k3) a step may have; above it eta goes down. None: no KL budget."""
+    raise_wait_frac: float = Field(0.1, ge=0.0, le=1.0)
+    """Generation is the bottleneck when the learner waited at least this share of the step for its batch (timing_s/rollout / timing_s/step); only then does eta go up."""
+    raise_after: int = Field(2, ge=1, le=1000)
+    """Consecutive steps within budget and bottlenecked on generation before a setting goes up one step (eta first, then over-provisioning; lowered in reverse)."""
+    over_provision_min: float = Field(1.0, ge=1.0, le=64.0)
+    """Lowest `rollout.over_provision` that `auto` may choose; the run starts there."""
+    over_provision_max: float = Field(4.0, ge=1.0, le=64.0)
+    """Highest `rollout.over_provision` that `auto` may choose."""
+    over_provision_step: float = Field(0.5, gt=0.0, le=64.0)
+    """How much `auto` moves `rollout.over_provision` at a time."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoStalenessConfig":
+        if self.min > self.max:
+            raise ValueError(f"async.auto.min ({self.min}) must not exceed async.auto.max ({self.max})")
+        if self.over_provision_min > self.over_provision_max:
+            raise ValueError(f"async.auto.over_provision_min ({self.over_provision_min}) must not exceed "
+                             f"async.auto.over_provision_max ({self.over_provision_max})")
+        if self.min_ess is None and self.max_k3 is None:
+            raise ValueError("async.auto needs a budget: set async.auto.min_ess or async.auto.max_k3")
+        return self
+
+
 class AsyncConfig(Section):
-    max_staleness: int = Field(0, ge=0, le=1000)
-    """eta: most policy versions a token may lag the learner; enforced by admission control."""
+    max_staleness: int | Literal["auto"] = 0
+    """eta: most policy versions a token may lag the learner; enforced by admission control. `auto`: tuned every step within `async.auto` (docs/async.md)."""
+    auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
+    """Bounds and budget of `max_staleness: auto` and `rollout.over_provision: auto` (ignored otherwise)."""
     stale_policy: Literal["requeue", "drop"] = "requeue"
     """A group that still exceeds eta when batched (rare: batches are chosen earliest deadline first):
     regenerate it from its prompt (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""
     max_requeues: int = Field(2, ge=0, le=1000)
     """Times one prompt may be regenerated for staleness; past it the group is dropped (counted in
     rollout/groups_dropped_requeue_limit), so a prompt whose responses always outlast eta cannot loop."""
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _eta_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1000):
+            return value
+        raise ValueError(f"async.max_staleness must be an integer in [0, 1000] or `auto` (got {value!r})")
+
+    @property
+    def initial_staleness(self) -> int:
+        """eta at the start of a run: the fixed value, or `auto.min`."""
+        return self.auto.min if self.max_staleness == "auto" else self.max_staleness
+
+    @property
+    def max_lag(self) -> int:
+        """The largest eta the run can have: lags 0..max_lag are reported separately."""
+        return self.auto.max if self.max_staleness == "auto" else self.max_staleness

@@ -74,6 +74,12 @@ class Config(Section):
         return self
 
     @property
+    def initial_over_provision(self) -> float:
+        """`rollout.over_provision` at the start of a run: the fixed value, or `async.auto.over_provision_min`."""
+        op = self.rollout.over_provision
+        return self.async_.auto.over_provision_min if op == "auto" else float(op)
+
+    @property
     def run_dir(self) -> Path:
         return Path(os.path.expanduser(self.run.dir.replace("${name}", self.run.name)))
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from async_april.auto_staleness import OffPolicyTuner, StepSignals
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
@@ -106,6 +107,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     plan = plan_pinning(cfg)
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
     hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
+    tuner = OffPolicyTuner.from_config(cfg)  # None unless eta or over-provisioning is `auto`
     driver_cores = process_cores()
     try:
         if plan is not None:
@@ -152,6 +154,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             run.step = step
             metrics.update(run.metrics(pool, learner.version))
             metrics.update({"timing_s/rollout": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
+            if tuner is not None:  # `auto` settings: the next step's, from this one's figures
+                metrics.update(run.tune(tuner, metrics, store))
             if evaluator is not None and step == cfg.run.steps:
                 metrics.update(evaluator.finish())  # the final evaluation: nothing is left to train
             tracker.log(metrics)
@@ -179,8 +183,10 @@ class RunState:
     """The controller's own state: step, cumulative counters, where the last checkpoint is."""
 
     def __init__(self, cfg: Config, model_shape: dict, step: int = 0, bad_steps: int = 0, actor_restarts: int = 0,
-                 checkpoint: Path | None = None):
+                 checkpoint: Path | None = None, eta_streak: int = 0):
         self.cfg, self.model_shape, self.step, self.bad_steps = cfg, model_shape, step, bad_steps
+        self.eta_streak = eta_streak
+        """`auto` settings: consecutive steps that argued for a raise (the settings are the store's)."""
         self.actor_restarts_before = actor_restarts
         self.last_checkpoint = checkpoint
         self.saved_step = step if checkpoint is not None else -1
@@ -200,12 +206,30 @@ class RunState:
         ray.get(store.call.remote("load_state_dict", ck.store_state()))
         c = ck.controller_state()
         return cls(cfg, model_shape, int(c["step"]), int(c["train/bad_steps"]), int(c["rollout/actor_restarts"]),
-                   checkpoint=ck.path)
+                   checkpoint=ck.path, eta_streak=int(c.get("async/eta_streak", 0)))
 
     def metrics(self, pool, version: int) -> dict[str, float]:
         return {"train/step": self.step, "train/policy_version": version, "train/bad_steps": self.bad_steps,
                 "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
                 "rollout/actors_alive": len(pool.actors)}
+
+    def tune(self, tuner: OffPolicyTuner, metrics: dict[str, float], store) -> dict[str, float]:
+        """One decision of the auto-tuner (async_april/auto_staleness.py) from this step's metrics; a
+        changed setting goes to the store's admission at once. Returns `async/<knob>` (now in force)
+        and `async/<knob>_change` for each tuned knob."""
+        import ray
+
+        now = {k.name: metrics[f"async/{k.name}"] for k in tuner.knobs}
+        new, self.eta_streak, decision = tuner.decide(now, self.eta_streak, StepSignals.from_metrics(metrics))
+        out = {}
+        for name, value in new.items():
+            if value != now[name]:
+                setter = "set_max_staleness" if name == "eta" else "set_over_provision"
+                ray.get(store.call.remote(setter, int(value) if name == "eta" else value))
+                say(f"auto: {decision} {name} {now[name]:g} -> {value:g} (mismatch/ess {metrics.get('mismatch/ess', float('nan')):.3f}, "
+                    f"mismatch/k3 {metrics.get('mismatch/k3', float('nan')):.2e}, waited {StepSignals.from_metrics(metrics).wait_frac:.0%})")
+            out[f"async/{name}"], out[f"async/{name}_change"] = value, value - now[name]
+        return out
 
     def save(self, store, learner, pool, tracker: Tracker) -> Path:
         import ray
@@ -216,7 +240,7 @@ class RunState:
         ck = self.cfg.checkpoint
         controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
                       "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
-                      "time/elapsed_s": round(tracker.elapsed_s, 3),
+                      "time/elapsed_s": round(tracker.elapsed_s, 3), "async/eta_streak": self.eta_streak,
                       **(self.evaluator.schedule.state() if self.evaluator is not None else {})}
         path = CheckpointManager(self.cfg.run_dir, ck.keep, ck.verify).save(
             self.step, learner.version, learner, ray.get(store.call.remote("state_dict")), controller,

@@ -1,0 +1,176 @@
+"""The auto-tuner (eta, over-provisioning) on scripted metric sequences, and admission exact
+through each change."""
+
+import pytest
+
+from async_april.auto_staleness import Knob, OffPolicyTuner, StepSignals
+from async_april.config import load_config
+from async_april.staleness import StalenessController
+
+
+def sig(ess=0.95, k3=0.001, wait=0.5):
+    return StepSignals(ess=ess, k3=k3, wait_frac=wait)
+
+
+def eta_tuner(low, high, **kw):
+    return OffPolicyTuner((Knob("eta", low, high, 1),), **kw)
+
+
+def run(tuner, eta, script):
+    etas, streak, values = [], 0, {"eta": eta}
+    for s in script:
+        values, streak, _ = tuner.decide(values, streak, s)
+        etas.append(values["eta"])
+    return etas
+
+
+def test_raises_while_the_budget_holds_and_generation_is_the_bottleneck_then_lowers_when_broken():
+    tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.2, raise_after=2)
+    script = [
+        sig(), sig(),                # budget holds, learner waits half the step: raise after 2 steps
+        sig(), sig(),                # again
+        sig(wait=0.05), sig(),       # the learner barely waited: the streak restarts
+        sig(),                       # second bottlenecked step in a row -> 3 = high
+        sig(), sig(), sig(),         # at the upper bound: hold
+        sig(ess=0.8),                # budget broken: lower at once
+        sig(ess=0.7),                # still broken: lower again
+        sig(ess=0.5), sig(ess=0.5),  # at the lower bound... not yet: 1 -> 0, then hold at 0
+        sig(),                       # holds again: first bottlenecked step
+    ]
+    assert run(tuner, 0, script) == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 2, 1, 0, 0, 0]
+
+
+def test_k3_budget_and_missing_signal():
+    tuner = eta_tuner(1, 4, min_ess=None, max_k3=0.01, raise_wait_frac=0.1, raise_after=1)
+    assert run(tuner, 1, [sig(k3=0.005), sig(k3=0.02), sig(k3=0.009, wait=0.0)]) == [2, 1, 1]
+    # Without a measurement the controller never raises (it cannot know the budget holds).
+    assert run(tuner, 2, [StepSignals(ess=0.99, k3=None, wait_frac=0.9)] * 3) == [2, 2, 2]
+
+
+def test_signals_from_step_metrics():
+    s = StepSignals.from_metrics({"mismatch/ess": 0.93, "mismatch/k3": 0.002, "timing_s/rollout": 0.5, "timing_s/step": 2.0})
+    assert (s.ess, s.k3, s.wait_frac) == (0.93, 0.002, 0.25)
+    assert StepSignals.from_metrics({}).wait_frac == 0.0
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="budget"):
+        eta_tuner(0, 2, min_ess=None, max_k3=None)
+    with pytest.raises(ValueError, match="low"):
+        eta_tuner(3, 2)
+
+
+def test_two_knobs_raise_in_order_and_lower_the_last_raised_first():
+    tuner = OffPolicyTuner((Knob("eta", 0, 1, 1), Knob("over_provision", 1.0, 2.0, 0.5)), min_ess=0.9,
+                           raise_wait_frac=0.1, raise_after=1)
+    values, streak, trace = {"eta": 0, "over_provision": 1.0}, 0, []
+    for s in [sig()] * 4 + [sig(ess=0.5)] * 4:
+        values, streak, decision = tuner.decide(values, streak, s)
+        trace.append((values["eta"], values["over_provision"], decision))
+    assert trace == [(1, 1.0, "raise"), (1, 1.5, "raise"), (1, 2.0, "raise"), (1, 2.0, "hold"),
+                     (1, 1.5, "lower"), (1, 1.0, "lower"), (0, 1.0, "lower"), (0, 1.0, "hold")]
+
+
+def test_from_config_builds_the_knobs_that_are_auto():
+    assert OffPolicyTuner.from_config(load_config(None)) is None
+    t = OffPolicyTuner.from_config(load_config(None, ["async.max_staleness=auto", "async.auto.max=3"]))
+    assert t.knobs == (Knob("eta", 0, 3, 1),)
+    t = OffPolicyTuner.from_config(load_config(None, ["rollout.over_provision=auto", "async.auto.max_k3=0.01"]))
+    assert t.knobs == (Knob("over_provision", 1.0, 4.0, 0.5),) and t.max_k3 == 0.01
+
+
+def test_scripted_run_never_admits_past_the_current_eta():
+    """Admission under a changing eta (the store's arithmetic): every group admitted while eta = e at
+    version v is within the first (e + v + 1) batches, so it is trained by version v + e."""
+    B = 4
+    tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.1, raise_after=1)
+    script = [sig()] * 4 + [sig(ess=0.5)] * 3 + [sig()] * 3 + [sig(ess=0.5)] * 4
+    eta, streak, version, admitted = 0, 0, 0, 0
+    deadline: dict[int, int] = {}  # group index -> last version it may be trained at
+    trained = 0
+    seen_etas = []
+    for s in script:
+        ctl = StalenessController(B, eta, over_provision=100)
+        while ctl.capacity(version, admitted, admitted - trained) > 0:
+            assert admitted < (eta + version + 1) * B  # never past the current eta
+            deadline[admitted] = version + eta
+            admitted += 1
+        for g in range(trained, trained + B):  # the learner trains the oldest B groups at `version`
+            assert version <= deadline[g], (g, version, deadline[g])
+        trained += B
+        version += 1
+        values, streak, _ = tuner.decide({"eta": eta}, streak, s)
+        eta = int(values["eta"])
+        seen_etas.append(eta)
+    assert max(seen_etas) == 3 and seen_etas[-1] == 0  # it did raise to the top and lower to the bottom
+
+
+# ----------------------------------------------------------------------------- the store through eta changes
+
+from tests.test_store import finish, make_store  # noqa: E402
+
+
+def test_lowering_eta_strands_no_admitted_group_and_closes_admission():
+    """Six groups admitted at eta 2 (B = 2), all sampled at version 0. eta drops to 0 at version 1:
+    groups 4 and 5 are then 2 versions old when their turn comes, too stale for the new eta, but
+    within the bound they were admitted under: they are trained, not requeued or dropped, and no
+    new group starts until the learner has caught up with the new eta."""
+    st = make_store(**{"async.max_staleness": "auto", "async.auto.min": 0, "async.auto.max": 2, "rollout.over_provision": 64})
+    st.set_max_staleness(2)
+    work = st.lease("a", 100, 0)
+    assert len(work) == 12  # (eta + v + 1) * B = 6 groups of n = 2
+    st.push("a", [finish(s, version=0) for s in work])
+    assert [g.prompt_index for g in st.try_get_batch()] == [0, 1]
+    st.set_version(1)
+    st.set_max_staleness(0)
+    assert st.metrics()["async/eta"] == 0
+    assert st.lease("a", 100, 1) == []  # admitted 6 > (0 + 1 + 1) * 2: closed
+    assert [g.prompt_index for g in st.try_get_batch()] == [2, 3]
+    st.set_version(2)
+    assert st.lease("a", 100, 2) == []  # 6 == (0 + 2 + 1) * 2: still closed
+    assert [g.prompt_index for g in st.try_get_batch()] == [4, 5]  # lag 2 > eta 0, trained all the same
+    assert st.counters.requeued_groups == 0 and st.counters.dropped_groups == 0
+    st.set_version(3)
+    new = st.lease("a", 100, 3)
+    assert {s.prompt_index for s in new} == {6, 7}  # (0 + 3 + 1) * 2 = 8: one batch, synchronous again
+    st.check_accounting()
+    # Groups admitted under the new eta are held to it.
+    st.push("a", [finish(s, version=3) for s in new])
+    st.set_version(4)
+    assert st.try_get_batch() is None and st.counters.requeued_groups == 2
+
+
+def test_raising_eta_opens_admission_at_once_and_the_tuned_eta_survives_a_checkpoint():
+    st = make_store(**{"async.max_staleness": "auto", "async.auto.max": 3, "rollout.over_provision": 64})
+    assert st.max_staleness == 0 and len(st.lease("a", 100, 0)) == 4
+    st.set_max_staleness(3)
+    assert len(st.lease("a", 100, 0)) == 12  # (3 + 0 + 1) * 2 groups admitted in all
+    state = st.state_dict()
+    again = make_store(**{"async.max_staleness": "auto", "async.auto.max": 3, "rollout.over_provision": 64})
+    again.load_state_dict(state)
+    assert again.max_staleness == 3 and again.controller.max_staleness == 3
+    fixed = make_store(**{"async.max_staleness": 1})
+    fixed.load_state_dict(state)
+    assert fixed.max_staleness == 1  # a fixed eta is the config's, whatever the checkpoint held
+
+
+def test_over_provision_changes_move_the_in_flight_cap_and_survive_a_checkpoint():
+    over = {"rollout.over_provision": "auto", "async.max_staleness": 4}
+    st = make_store(**over)
+    assert st.over_provision == 1.0 and st.metrics()["async/over_provision"] == 1.0
+    first = st.lease("a", 100, 0)
+    assert {s.prompt_index for s in first} == {0, 1}  # ceil(1.0 * B) groups in flight
+    st.set_over_provision(2.0)
+    second = st.lease("a", 100, 0)
+    assert {s.prompt_index for s in second} == {2, 3}  # raised: two more at once
+    st.set_over_provision(1.0)
+    st.push("a", [finish(s) for s in first])
+    assert st.try_get_batch() is not None
+    assert st.lease("a", 100, 0) == []  # 2 still in flight = the lowered cap: nothing new, nothing lost
+    st.push("a", [finish(s) for s in second])
+    assert [g.prompt_index for g in st.try_get_batch()] == [2, 3]
+    assert {s.prompt_index for s in st.lease("a", 100, 0)} == {4, 5}
+    st.check_accounting()
+    again = make_store(**over)
+    again.load_state_dict(st.state_dict())
+    assert again.over_provision == 1.0 and again.controller.max_groups_in_flight == 2
