@@ -87,12 +87,29 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         if key in ("staleness/max", "rollout/reward_mean") and len(ax.get_legend_handles_labels()[0]) > 1:
             ax.legend(fontsize=8)
+    out = output_path(run_dir, out)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    out = out or run_dir / "metrics.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
+    fig.savefig(out, dpi=90, format="png")
     plt.close(fig)
+    return out
+
+
+def output_path(run_dir: Path, out: Path | None) -> Path:
+    """Where the PNG goes: RUN_DIR/metrics.png by default, DIR/metrics.png for an existing directory
+    DIR, else `out`, which must end in .png (matplotlib would append `.png` to a name without a suffix
+    and write a file the caller was not told about). Its parent is created; PlotError if it cannot be."""
+    if out is None:
+        return run_dir / "metrics.png"
+    if out.is_dir():
+        return out / "metrics.png"
+    if out.suffix.lower() != ".png":
+        raise PlotError(f"--out {str(out)!r}: give a file name ending in .png, or an existing directory "
+                        "(the plot is then written there as metrics.png)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlotError(f"--out {str(out)!r}: cannot create {out.parent} ({e.strerror}); give a writable location") from None
     return out
 
 

@@ -14,6 +14,7 @@ with `AutoModelForCausalLM.from_pretrained(OUT_DIR)` gives the learner's weights
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
@@ -51,6 +52,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"OUT_DIR {str(out_dir)!r} already exists and is not an empty directory; give a new directory")
+    if (blocker := next((p for p in out.parents if p.exists() and not p.is_dir()), None)) is not None:
+        raise UserError(f"OUT_DIR {str(out_dir)!r} lies under {blocker}, which is a file, not a directory; "
+                        "give a path under a directory")
+    if not os.access(next(p for p in out.parents if p.exists()), os.W_OK):
+        raise UserError(f"OUT_DIR {str(out_dir)!r} cannot be created: {next(p for p in out.parents if p.exists())} "
+                        "is not writable; give a writable location")
     ck = open_checkpoint(checkpoint)
     cfg = run_config_of(ck)
 
