@@ -5,10 +5,10 @@ over steps, from the run's metrics.jsonl, as one PNG (no W&B needed)."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from async_april.errors import PlotError
+from async_april.errors import PlotError, one_line
+from async_april.structured import loads_json
 
 PANELS = (
     ("rollout/reward_mean", "reward (mean)"),
@@ -34,12 +34,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_json(line)  # bounded depth: a line nested 10^5 deep is "not JSON", not a RecursionError
         except ValueError as e:
             if i == len(lines):
                 say(f"warning: {path}: line {i} is cut short (the run stopped while writing it); plotting the rows before it")
                 continue
-            raise PlotError(f"{path}: line {i} is not JSON ({e}); fix or delete that line") from None
+            raise PlotError(f"{path}: line {i} is not JSON ({one_line(str(e), 200)}); fix or delete that line") from None
         if not isinstance(row, dict) or not isinstance(row.get("train/step"), (int, float)):
             raise PlotError(f"{path}: line {i} has no train/step; is this an async-april metrics file?")
         rows.append(row)
