@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -115,32 +114,6 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over_and_said(tmp_path):
         lock.release()
     with RunLock(tmp_path) as again:  # released: the next run takes it, and it is not stale (it was ours)
         assert again.stale_note() is None
-
-
-@pytest.mark.slow
-def test_two_concurrent_fresh_runs_leave_one_run_intact_and_one_exit_2(tmp_path):
-    """Two real `async-april train` processes on one run.dir: the second starts while the first is
-    running (its lock file names it), exits 2 before starting Ray, and the first finishes with one
-    metrics row per step and its checkpoint."""
-    run = tmp_path / "run"
-    argv = [sys.executable, "-m", "async_april", "train", TINY, f"run.dir={run}", "run.steps=3", "rollout.batch_groups=2",
-            "rollout.n_samples=2", "rollout.max_new_tokens=16", "data.num_prompts=64", "logging.console_every=100"]
-    first = subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run / "run.lock").is_file() or not (run / "run.lock").read_text().strip():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.2)
-        second = subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
-        assert_bounded_error(second.returncode, second.stderr, rf"is in use by another run \(pid {first.pid} ")
-        assert "Started a local Ray instance" not in second.stderr + second.stdout
-        out, err = first.communicate(timeout=600)
-    finally:
-        first.kill()
-    assert first.returncode == 0, err[-3000:]
-    steps = [json.loads(line)["train/step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-    assert [p.name for p in CheckpointManager(run).list()] == ["step_00000003"]
 
 
 # ------------------------------------------------------------------ durability
