@@ -24,8 +24,9 @@ SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD")
 _SECRET_WORD = r"(?:api[_-]?key|token|secret|password|passwd|pwd)"
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<pw>[^@/\s]+)(?=@)")
 _QUERY_SECRET = re.compile(rf"(?P<head>[?&;]{_SECRET_WORD}=)(?P<pw>[^&#\s]+)", re.IGNORECASE)
-_FLAG_INLINE = re.compile(rf"^(?P<head>--?[\w-]*{_SECRET_WORD}[\w-]*=)(?P<pw>.+)$", re.IGNORECASE)
-_FLAG = re.compile(rf"^--?[\w-]*{_SECRET_WORD}[\w-]*$", re.IGNORECASE)
+# A flag *ending* in the word (--api-key, --hf-token), so --max-total-tokens 4096 keeps its value.
+_FLAG_INLINE = re.compile(rf"^(?P<head>--?[\w-]*{_SECRET_WORD}=)(?P<pw>.+)$", re.IGNORECASE)
+_FLAG = re.compile(rf"^--?[\w-]*{_SECRET_WORD}$", re.IGNORECASE)
 _KEY = re.compile(rf"{_SECRET_WORD}$", re.IGNORECASE)
 
 
