@@ -24,6 +24,7 @@ import pytest
 from async_april.checkpointing import CheckpointError, CheckpointManager
 from async_april.config import load_config
 from tests.test_bad_input import TINY, jsonl, no_ray, run_cli, write  # noqa: F401 - no_ray is a fixture
+from tests.agent_helpers import model_dir, tokenizer  # noqa: F401 - fixtures
 from tests.test_bad_input_classes import assert_bounded_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -363,3 +364,18 @@ def test_weights_that_turn_non_finite_stop_the_learner_before_anything_is_saved(
                            r"broadcasting them, the last checkpoint is intact") as info:
             w.train_step(make_batch(str(model), seed=1))
         assert isinstance(info.value, UserError) and w.version == 0, "the version moved: the weights would be broadcast"
+
+
+def test_an_environment_step_that_calls_sys_exit_is_a_step_failure_like_one_that_raises(model_dir, tokenizer):
+    """`rollout.env` code that calls sys.exit in a step goes to the environment's on_failure and is
+    counted, as a step that raises does; the episode ends and the generation actor goes on."""
+    import asyncio
+
+    from tests.agent_envs import ExitingEnv
+    from tests.agent_helpers import make_actor, make_cfg, run_episode, turn_rows
+
+    ExitingEnv.errors.clear()
+    actor = make_actor(make_cfg(model_dir, "tests.agent_envs:ExitingEnv", "rollout.agent.max_turns=4"), model_dir)
+    s = asyncio.run(run_episode(actor, turn_rows(tokenizer, 4, seed=4)[0]))
+    assert ExitingEnv.errors == ["called sys.exit(5)"] and actor.agent.metrics()["agent/step_failures"] == 1
+    assert s.turns == 2
