@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_april.config import Config
-from async_april.console import plural
+from async_april.console import plural, say
 from async_april.errors import RunDirError
 from async_april.runlock import LOCK_FILE, RunLock
 
@@ -141,8 +141,6 @@ def lock(state: RunDirState, cfg: Config) -> tuple[RunLock, RunDirState]:
         held.release()
         raise
     if (note := held.stale_note()) is not None:
-        from async_april.console import say
-
         say(note)
     return held, now
 

@@ -98,8 +98,13 @@ def check_model_dir(model_dir: Path, spec: str) -> dict[str, Any]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise ModelError(f"{where}: {model_dir}/model.safetensors.index.json has no readable weight_map; "
                              "re-download the model") from None
-        shards = [model_dir / n for n in names]
-        missing = [s.name for s in shards if not s.is_file() or s.resolve().parent != model_dir.resolve()]
+        # Names, not paths: an index must not send us elsewhere (the hub cache's shards are symlinks into
+        # its blobs/, so where a shard resolves to says nothing).
+        shards = [model_dir / n for n in names if isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")]
+        if len(shards) != len(names):
+            raise ModelError(f"{where}: model.safetensors.index.json names a shard that is not a file name in the "
+                             "model directory; re-download the model")
+        missing = [s.name for s in shards if not s.is_file()]
         if missing:
             raise ModelError(f"{where}: shard {missing[0]} named by model.safetensors.index.json is missing"
                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download the model")

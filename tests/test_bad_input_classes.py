@@ -145,11 +145,15 @@ def _config(d: Path, **changes) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-def _shard(d: Path, missing: bool) -> None:
-    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
-    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+def _shard(d: Path, missing: bool, second: str = "model-00002-of-00002.safetensors") -> None:
+    """Two shards as the hub cache lays them out: symlinks into a blobs/ directory next to the snapshot."""
+    blobs = d.parent / f"{d.name}-blobs"
+    blobs.mkdir()
+    (d / "model.safetensors").rename(blobs / "1")
+    (d / "model-00001-of-00002.safetensors").symlink_to(blobs / "1")
     if not missing:
-        shutil.copy(d / "model-00001-of-00002.safetensors", d / "model-00002-of-00002.safetensors")
+        (d / second).symlink_to(blobs / "1")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": second}
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
@@ -167,6 +171,8 @@ MODEL_TEXT = [
      r"model\.safetensors: tensor '.*' lies outside the file's \d+ data bytes \(corrupt\)"),
     ("index-naming-a-missing-shard", lambda t: tiny_copy(t, "shards", lambda d: _shard(d, missing=True)),
      r"shard model-00002-of-00002\.safetensors named by model\.safetensors\.index\.json is missing"),
+    ("index-naming-a-path-elsewhere", lambda t: tiny_copy(t, "far", lambda d: _shard(d, missing=True, second="../far-blobs/1")),
+     r"model\.safetensors\.index\.json names a shard that is not a file name in the model directory"),
     ("config-json-a-list", lambda t: tiny_copy(t, "cl", lambda d: (d / "config.json").write_text("[1, 2]")),
      r"cl/config\.json holds a list, not a JSON object"),
     ("config-json-model-type-null", lambda t: tiny_copy(t, "mtn", lambda d: _config(d, model_type=None)),
@@ -188,7 +194,8 @@ def test_check_opens_model_and_text_the_way_the_engines_will(case, over, pattern
 
 
 def test_a_sharded_model_with_every_shard_present_resolves(tmp_path, capsys, monkeypatch, no_ray):
-    """The other side of `index-naming-a-missing-shard`: the check accepts a complete sharded model."""
+    """The other side of `index-naming-a-missing-shard`: the check accepts a complete sharded model whose
+    shards are symlinks into blobs/, as in the Hugging Face cache."""
     from async_april.weight_files import check_model_dir
 
     d = Path(tiny_copy(tmp_path, "ok", lambda d: _shard(d, missing=False)).partition("=")[2])
