@@ -38,7 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from async_april import state_codec
 from async_april.config import Config, ConfigError
-from async_april.errors import UserError, one_line
+from async_april.errors import UserError, one_line, short_repr
+from async_april.structured import loads_json
+from async_april.weight_files import safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +114,13 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_shape(model_dir: str | Path) -> dict[str, Any]:
-    """The entries of `model_dir/config.json` that decide whether saved tensors fit (MODEL_SHAPE_KEYS)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg  # multimodal wrappers
+def model_shape(model: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """The entries of a model's config.json (a model directory, or its config already read) that decide
+    whether saved tensors fit (MODEL_SHAPE_KEYS)."""
+    cfg = model if isinstance(model, dict) else loads_json((Path(model) / "config.json").read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{model}/config.json holds a {type(cfg).__name__}, not a JSON object")
+    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict) else cfg
     return {k: cfg.get(k) for k in MODEL_SHAPE_KEYS}
 
 
@@ -204,18 +209,24 @@ class CheckpointManager:
         return sorted((p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), key=lambda p: p.name)
 
     def verify(self, path: Path) -> Checkpoint:
-        """The checkpoint at `path`, or CheckpointError saying what is wrong with it."""
+        """The checkpoint at `path`, or CheckpointError saying what is wrong with it. Whatever
+        `checkpoint.verify` says, every file is also opened as its loader will open it (JSON parsed,
+        safetensors headers read: cheap), so no checkpoint that passes fails later on load."""
         path = Path(path)
         manifest = read_manifest(path)
-        for rel, want in manifest.files.items():
-            p = path / rel
-            if not p.is_file():
-                raise CheckpointError(f"{path}: {rel} is missing")
-            size = p.stat().st_size
-            if size != want.bytes:
-                raise CheckpointError(f"{path}: {rel} has {size} bytes, the manifest says {want.bytes} (truncated?)")
-            if self.verify_mode == "sha256" and want.sha256 and _sha256(p) != want.sha256:
-                raise CheckpointError(f"{path}: {rel} does not match its sha256 in the manifest (corrupt)")
+        try:
+            for rel, want in manifest.files.items():
+                p = path / rel
+                if not p.is_file():
+                    raise CheckpointError(f"{path}: {rel} is missing")
+                size = p.stat().st_size
+                if size != want.bytes:
+                    raise CheckpointError(f"{path}: {rel} has {size} bytes, the manifest says {want.bytes} (truncated?)")
+                if self.verify_mode == "sha256" and want.sha256 and _sha256(p) != want.sha256:
+                    raise CheckpointError(f"{path}: {rel} does not match its sha256 in the manifest (corrupt)")
+                _open_like_the_loader(p)
+        except (OSError, ValueError) as e:  # unreadable (permissions, I/O error) or not what its loader reads
+            raise CheckpointError(f"{path}: {rel} is unreadable ({one_line(str(e), 200)})") from None
         return Checkpoint(path, manifest)
 
     def latest_valid(self, below: Path | None = None) -> Checkpoint | None:
@@ -237,23 +248,49 @@ class CheckpointManager:
         return None
 
 
+def _open_like_the_loader(p: Path) -> None:
+    """ValueError unless `p` parses as its loader will parse it: JSON, or a safetensors header."""
+    if p.suffix == ".json":
+        loads_json(p.read_bytes())
+    elif p.suffix == ".safetensors":
+        safetensors_header(p)
+
+
+def _confined(path: Path, rel: str) -> str | None:
+    """Why manifest entry `rel` is not a plain file path inside checkpoint `path`, or None. Decided from
+    the names alone and lstat of the entries inside the checkpoint: the named file is never opened."""
+    parts = Path(rel).parts
+    if not rel or Path(rel).is_absolute() or ".." in parts or "\\" in rel or "\x00" in rel:
+        return "is not a relative path inside the checkpoint"
+    inner = path
+    for part in parts:
+        inner = inner / part
+        if inner.is_symlink():
+            return "goes through a symbolic link"
+    return None
+
+
 def read_manifest(path: Path) -> Manifest:
     """The schema-checked manifest of the checkpoint at `path`, or CheckpointError naming what is wrong."""
     mf = path / MANIFEST
     if not mf.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
     try:
-        data = json.loads(mf.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({e})") from None
+        data = loads_json(mf.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({one_line(str(e), 200)})") from None
     if isinstance(data, dict) and data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: {MANIFEST} has format {data.get('format')!r}, this code reads format {FORMAT}"
                               + (" (format 1 held a pickle and is no longer loaded)" if data.get("format") == 1 else ""))
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as e:
-        what = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()[:5])
+        what = "; ".join(f"{'.'.join(map(str, err['loc']))[:80] or '<root>'}: {err['msg']}" for err in e.errors()[:5])
         raise CheckpointError(f"{path}: {MANIFEST} does not match its schema ({what})") from None
+    for rel in manifest.files:  # a manifest naming ../../etc/shadow would make verify a size/sha256 oracle
+        if (why := _confined(path, rel)) is not None:
+            raise CheckpointError(f"{path}: {MANIFEST} names {short_repr(rel, 80)}, which {why}; refused without "
+                                  "reading it (this checkpoint was not written by async-april, or was tampered with)")
     missing = [f for f in REQUIRED_FILES if f not in manifest.files]
     if missing:
         raise CheckpointError(f"{path}: {MANIFEST} does not list {', '.join(missing)} (incomplete checkpoint)")

@@ -42,6 +42,7 @@ import numpy as np
 
 from async_april.config import Config, ConfigError
 from async_april.errors import UserError
+from async_april.structured import NestingError, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,12 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = loads_json(line)
             except json.JSONDecodeError as e:
                 yield lineno, BadRow(f"malformed JSON ({e.msg} at column {e.colno})")
+                continue
+            except NestingError as e:
+                yield lineno, BadRow(f"malformed JSON ({e})")
                 continue
             yield lineno, row if isinstance(row, dict) else BadRow(f"a row must be a JSON object, got {type(row).__name__}")
 
@@ -238,12 +242,25 @@ def map_row(row: Mapping[str, Any], prompt_key: str, answer_key: str) -> tuple[s
     except KeyError:
         answer = ""
     answer = "" if answer is None else str(answer)
+    for column, text in [(prompt_key, prompt)] if isinstance(prompt, str) else [(prompt_key, m["content"]) for m in prompt]:
+        _check_unicode(text, column)
+    _check_unicode(answer, answer_key)
     extra = {}
     for k, v in row.items():
         if k in (prompt_key, answer_key):
             continue
         extra[f"raw_{k}" if k in RESERVED_EXTRA else k] = v
     return prompt, answer, extra
+
+
+def _check_unicode(text: str, column: str) -> None:
+    """BadRow for text that is not Unicode a tokenizer can encode: JSON's `"\\ud800"` escape decodes to a
+    lone surrogate, which Python keeps in a str but no UTF-8 encoder (the tokenizers' Rust side) accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRow(f"column {column!r} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+                     "which is not Unicode text; fix the escape sequence in the row") from None
 
 
 def _is_messages(x: Any) -> bool:

@@ -28,6 +28,31 @@ class PlotError(UserError, ValueError):
     """`async-april plot` was given something that is not a run directory with metrics."""
 
 
-def one_line(text: str) -> str:
-    """`text` on one line: inner newlines become `; ` so a message stays one readable line in any log."""
-    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+MAX_LINE = 1000
+"""Longest error line printed: a message quoting the input (an alias bomb, a huge value) is cut to this."""
+
+
+class WeightsDivergedError(UserError, RuntimeError):
+    """A learner step made the weights non-finite: the run stops before saving or broadcasting them."""
+
+
+def one_line(text: str, limit: int = MAX_LINE) -> str:
+    """`text` on one line of at most `limit` characters: inner newlines become `; ` so a message stays
+    one readable line in any log, and whatever it quotes cannot make it longer than that."""
+    line = "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    if len(line) <= limit:
+        return line
+    keep = limit - 40
+    return f"{line[:keep]} ... ({len(line) - keep} more characters)"
+
+
+def short_repr(value: object, limit: int = 120) -> str:
+    """`repr(value)` cut to `limit` characters (a value quoted in a message must not flood it).
+    Bounded work too: containers are summarised by reprlib before repr walks them."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxtuple, r.maxset = 3, 8, 8, 8, 8
+    r.maxstring = r.maxother = limit
+    text = r.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

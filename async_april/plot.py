@@ -5,10 +5,10 @@ over steps, from the run's metrics.jsonl, as one PNG (no W&B needed)."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from async_april.errors import PlotError
+from async_april.errors import PlotError, one_line
+from async_april.structured import loads_json
 
 PANELS = (
     ("rollout/reward_mean", "reward (mean)"),
@@ -34,12 +34,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_json(line)  # bounded depth: a line nested 10^5 deep is "not JSON", not a RecursionError
         except ValueError as e:
             if i == len(lines):
                 say(f"warning: {path}: line {i} is cut short (the run stopped while writing it); plotting the rows before it")
                 continue
-            raise PlotError(f"{path}: line {i} is not JSON ({e}); fix or delete that line") from None
+            raise PlotError(f"{path}: line {i} is not JSON ({one_line(str(e), 200)}); fix or delete that line") from None
         if not isinstance(row, dict) or not isinstance(row.get("train/step"), (int, float)):
             raise PlotError(f"{path}: line {i} has no train/step; is this an async-april metrics file?")
         rows.append(row)
@@ -87,12 +87,29 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         if key in ("staleness/max", "rollout/reward_mean") and len(ax.get_legend_handles_labels()[0]) > 1:
             ax.legend(fontsize=8)
+    out = output_path(run_dir, out)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    out = out or run_dir / "metrics.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
+    fig.savefig(out, dpi=90, format="png")
     plt.close(fig)
+    return out
+
+
+def output_path(run_dir: Path, out: Path | None) -> Path:
+    """Where the PNG goes: RUN_DIR/metrics.png by default, DIR/metrics.png for an existing directory
+    DIR, else `out`, which must end in .png (matplotlib would append `.png` to a name without a suffix
+    and write a file the caller was not told about). Its parent is created; PlotError if it cannot be."""
+    if out is None:
+        return run_dir / "metrics.png"
+    if out.is_dir():
+        return out / "metrics.png"
+    if out.suffix.lower() != ".png":
+        raise PlotError(f"--out {str(out)!r}: give a file name ending in .png, or an existing directory "
+                        "(the plot is then written there as metrics.png)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlotError(f"--out {str(out)!r}: cannot create {out.parent} ({e.strerror}); give a writable location") from None
     return out
 
 

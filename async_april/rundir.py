@@ -8,7 +8,14 @@ is free. Files that no run writes make a directory count as used too, so a
 mistyped run.dir never writes into someone's data. A used directory is never
 silently reused: `train` refuses it, touching nothing, unless `run.resume` (go
 on from its checkpoint) or `run.overwrite=true` (move the old contents aside
-to `<dir>.old-<UTC time>`, then start fresh) says what to do.
+to `<dir>.old-<UTC time>`, then start fresh) says what to do. `run.overwrite`
+only ever moves a run directory: one holding anything no run writes (a home
+directory, a checkout) is refused, nothing moved.
+
+While a run uses the directory it holds `run.lock` in it (async_april/runlock.py):
+a second run on the same directory, started at the same moment or later, exits 2
+naming the first; `train` takes the lock, then looks at the directory again
+(the other run may have finished a step meanwhile), then prepares it.
 
 Under `ray job submit` the driver's working directory is Ray's temporary copy
 of the job's working_dir (`<ray temp>/session_*/runtime_resources/
@@ -27,14 +34,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_april.config import Config
-from async_april.console import plural
+from async_april.console import plural, say
 from async_april.errors import RunDirError
+from async_april.runlock import LOCK_FILE, RunLock
 
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Set by Ray 2.x's job supervisor in the environment of every `ray job submit` driver."""
 RUN_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "wandb", "wandb_run_id",
-                         "weights", "hf", "metrics.png"})
-"""What a run writes into its directory (weights/: the disk weight transport; metrics.png: `async-april plot`)."""
+                         "weights", "hf", "metrics.png", LOCK_FILE})
+"""What a run writes into its directory (weights/: the disk weight transport; metrics.png: `async-april plot`;
+run.lock: the lock of the run using it)."""
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", LOCK_FILE)
+"""One of these makes a directory a run directory (what run.overwrite may move aside)."""
 
 
 @dataclass
@@ -91,7 +102,9 @@ def inspect_run_dir(path: Path) -> RunDirState:
 
 
 def check_reuse(state: RunDirState, cfg: Config) -> None:
-    """RunDirError when a used directory would be reused without run.resume or run.overwrite."""
+    """RunDirError when a used directory would be reused without run.resume or run.overwrite, or replaced
+    by run.overwrite though it is no run directory."""
+    check_overwrite(state, cfg)
     if state.used and cfg.run.resume is None and not cfg.run.overwrite:
         what = "is not empty" if all(u.startswith("files no run") for u in state.used) else "already holds a run"
         raise RunDirError(
@@ -100,13 +113,49 @@ def check_reuse(state: RunDirState, cfg: Config) -> None:
             "run.overwrite=true (its contents move to <run.dir>.old-<time>)")
 
 
+def check_overwrite(state: RunDirState, cfg: Config) -> None:
+    """RunDirError when run.overwrite=true would move a directory that is not a run directory."""
+    if not (state.used and cfg.run.overwrite):
+        return
+    foreign = sorted(p.name for p in state.path.iterdir() if p.name not in RUN_ENTRIES)
+    if foreign or not any((state.path / m).exists() for m in RUN_MARKERS):
+        what = f"it holds files no run writes: {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}" if foreign \
+            else "it holds none of config.yaml, metrics.jsonl, checkpoints/"
+        raise RunDirError(f"run.overwrite=true only replaces a run directory, and run.dir {state.path} is not one ({what}); "
+                          "nothing was moved. Give run.dir a new directory, or move those files yourself")
+
+
+def lock(state: RunDirState, cfg: Config) -> tuple[RunLock, RunDirState]:
+    """Take the run directory's lock (RunDirError if another run holds it), then look at the directory
+    again under the lock, as `check_reuse` did before it: returns the lock (release it when the run
+    ends) and the directory's state now."""
+    if state.path.exists() and not state.path.is_dir():
+        raise RunDirError(f"run.dir {state.path} is a file, not a directory; set run.dir to a directory path")
+    held = RunLock(state.path).acquire()
+    try:
+        now = inspect_run_dir(state.path)
+        if now.used and not state.used:  # another run finished a step between resolve and the lock
+            check_reuse(now, cfg)
+        check_overwrite(now, cfg)
+    except BaseException:
+        held.release()
+        raise
+    if (note := held.stale_note()) is not None:
+        say(note)
+    return held, now
+
+
 def prepare(state: RunDirState, cfg: Config) -> Path | None:
-    """Make the directory ready for `train`: with run.overwrite, move a used one aside first
-    (returns where it went). Raises RunDirError when it cannot be created."""
+    """Make the locked directory ready for `train`: with run.overwrite, move a used run's contents
+    (all but the lock, which this run holds) into `<run.dir>.old-<UTC time>` first (returns it)."""
     moved = None
     if state.used and cfg.run.overwrite:
+        check_overwrite(state, cfg)
         moved = state.path.with_name(f"{state.path.name}.old-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-        shutil.move(str(state.path), str(moved))
+        moved.mkdir()
+        for entry in sorted(state.path.iterdir()):
+            if entry.name != LOCK_FILE:
+                shutil.move(str(entry), str(moved / entry.name))
     try:
         state.path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -64,8 +64,8 @@ class WeightSyncer:
     @classmethod
     def from_config(cls, cfg, disk_dir: str | os.PathLike | None = None) -> "WeightSyncer":
         ws = cfg.weight_sync
-        if ws.transport == "disk" and disk_dir is None:
-            disk_dir = cfg.run_dir / "weights"
+        if ws.transport == "disk" and disk_dir is None:  # weight_sync.disk_dir if given (was ignored before)
+            disk_dir = Path(ws.disk_dir).expanduser().absolute() if ws.disk_dir else cfg.run_dir / "weights"
         tp = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
         return cls(ws.transport, ws.bucket_mb, disk_dir, tp_size=tp)
 

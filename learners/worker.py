@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from async_april.errors import WeightsDivergedError
 from learners import checkpoint as ckpt
 from learners import lora
 from learners.hf_dir import write_hf_dir
@@ -246,6 +247,7 @@ class LearnerWorker(WeightExport):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps = 0
+            self._check_weights_finite(total_loss, grad_norm)
         out = finalize_mismatch(merge_rank_metrics([m for g in gathered for m in g["micro"]]))
         out.update({
             "loss/total": total_loss,
@@ -256,6 +258,22 @@ class LearnerWorker(WeightExport):
             "_forward_tokens": sum(g["tokens"] for g in gathered),
         })  # fmt: skip
         return out
+
+    def _check_weights_finite(self, loss: float, grad_norm: float) -> None:
+        """WeightsDivergedError when this optimizer step made any weight NaN/inf although its loss and
+        gradient were finite (settings the schema admits but the maths does not: an enormous weight
+        decay, lr x weight_decay > 1, a bf16 overflow). Raised before anything is saved or broadcast,
+        so the last checkpoint and the engines keep the last finite weights."""
+        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in self.model.parameters())
+        if self._all_reduce_int(int(local), dist.ReduceOp.MIN):
+            return
+        lc = self.cfg.learner
+        raise WeightsDivergedError(
+            f"learner step {self.step + 1} made the weights non-finite (NaN/inf) in the optimizer step, with a finite "
+            f"loss ({loss:.4g}) and gradient norm ({grad_norm:.4g}): the optimizer settings are the likely cause "
+            f"(learner.lr={lc.lr:g}, learner.weight_decay={lc.weight_decay:g}, learner.betas={tuple(lc.betas)}); "
+            "stopped before saving or broadcasting them, the last checkpoint is intact. Lower learner.lr or "
+            "learner.weight_decay, then resume with run.resume=auto")
 
     def _with_proximal(self, local: "TrainBatch") -> "TrainBatch":
         """`local` with the current (pre-update) policy's logprob of every response token: no-grad

@@ -4,6 +4,7 @@ holds (with its events) are the same object."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -74,6 +75,21 @@ class ChattyEnv(ReverseTurnsEnv):
     def on_failure(self, state, turn_ids, error):
         type(self).errors.append(error)
         return Step(np.array([5, 6, 14]), 0.0, False, dict(state, turn=state["turn"] + 1))
+
+
+class ExitingEnv(ReverseTurnsEnv):
+    """A step that calls sys.exit on the second turn, as a careless tool script does; on_failure records it."""
+
+    errors: list[str] = []
+
+    def step(self, state, turn_ids):
+        if state["turn"] == 1:
+            sys.exit(5)
+        return super().step(state, turn_ids)
+
+    def on_failure(self, state, turn_ids, error):
+        type(self).errors.append(error)
+        return Step(np.array([5, 6, 14]), 0.0, True, dict(state, turn=state["turn"] + 1))
 
 
 # ------------------------------------------------------------------ agent loops (module:function)

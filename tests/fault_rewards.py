@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 
 from async_april.rewards.reverse import reverse_match
@@ -49,3 +50,8 @@ def hangs_on_its_first_call(prompt: str, response: str, answer: str, **extra) ->
         _first_call_done = True
         time.sleep(1e9)
     return 1.0
+
+
+def calls_sys_exit(prompt: str, response: str, answer: str, **extra) -> float:
+    """Ends its process the way a careless script does (SystemExit is a BaseException, not an Exception)."""
+    sys.exit(4)

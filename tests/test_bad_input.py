@@ -46,7 +46,8 @@ def jsonl(path: Path, rows: list) -> Path:
 def model_without_tokenizer(t: Path) -> Path:
     d = t / "notok"
     d.mkdir()
-    shutil.copy(ensure_tiny_model() / "config.json", d / "config.json")
+    for name in ("config.json", "model.safetensors"):  # a model the engines could load, but no tokenizer
+        shutil.copy(ensure_tiny_model() / name, d / name)
     return d
 
 

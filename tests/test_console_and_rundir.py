@@ -69,10 +69,12 @@ def test_resume_truncates_metrics_past_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     text = [json.dumps({"train/step": s, "v": s}) for s in (1, 2, 3, 2, 3, 4)] + ['{"train/step": 5, "v"']
     path.write_text("\n".join(text) + "\n")
-    assert truncate_metrics(path, 3) == 4  # the older rows of 2 and 3, row 4, the cut-short line
+    assert truncate_metrics(path, 3) == ["dropped 1 row(s) past step 3 (those steps are redone now)",
+                                         "dropped 1 line(s) that are not JSON rows (cut short by the crash)",
+                                         "kept the last of 5 rows for 3 steps"]
     got = [json.loads(x) for x in path.read_text().splitlines()]
     assert [(r["train/step"], r["v"]) for r in got] == [(1, 1), (2, 2), (3, 3)]  # one per step, the later row wins
-    assert truncate_metrics(path, 3) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert truncate_metrics(path, 3) == [] and not (tmp_path / "metrics.jsonl.tmp").exists()
 
 
 def cfg_for(tmp_path, *over):

@@ -106,13 +106,19 @@ def test_a_second_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(syn
 @pytest.fixture(scope="module")
 def async_run_stopped_by_sigterm(tmp_path_factory):
     """The async preset (eta 1) from the real CLI; SIGTERM once step 5 is logged; then a second
-    process continues it with `run.resume=auto` for two more steps."""
+    process continues it with `run.resume=auto` for two more steps. While the first is starting
+    (it holds the run directory's lock), the same fresh command is run once more: it must exit 2."""
     tmp = tmp_path_factory.mktemp("async")
     run_dir, config = tmp / "run", mode_config(tmp, "async")
     cmd = [sys.executable, "-m", "async_april.launch.cli", "train", str(config), f"run.dir={run_dir}", *SMALL,
            "async.max_staleness=1", "run.steps=40"]
     with open(tmp / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(tmp), stdout=subprocess.PIPE, stderr=err, text=True)
+        deadline = time.monotonic() + 120
+        while not (run_dir / "run.lock").is_file() or str(proc.pid) not in (run_dir / "run.lock").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "the first run never took its lock"
+            time.sleep(0.1)
+        second = subprocess.run(cmd, cwd=REPO, env=cli_env(tmp), capture_output=True, text=True, timeout=180, check=False)
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -125,7 +131,7 @@ def async_run_stopped_by_sigterm(tmp_path_factory):
     assert rc == 128 + signal.SIGTERM and stop and "Traceback" not in stderr, stderr[-3000:]
     k, ckpt = int(stop.group(1)), Path(stop.group(2))
     resumed, _ = train_cli(tmp, config, "async.max_staleness=1", "run.resume=auto", f"run.steps={k + 2}")
-    return dict(run_dir=run_dir, lines=lines, k=k, ckpt=ckpt, resumed=resumed)
+    return dict(run_dir=run_dir, lines=lines, k=k, ckpt=ckpt, resumed=resumed, second=second, first_pid=proc.pid)
 
 
 def test_sigterm_mid_run_saves_a_checkpoint_that_resumes(async_run_stopped_by_sigterm):
@@ -139,6 +145,19 @@ def test_sigterm_mid_run_saves_a_checkpoint_that_resumes(async_run_stopped_by_si
     assert r["resumed"].stdout.splitlines()[0].startswith(f"[{k + 1}/{k + 2}]")
     assert f"resume from {ckpt} (step {k}" in r["resumed"].stderr
     assert [row["train/step"] for row in metrics(run_dir)] == list(range(1, k + 3))
+
+
+def test_a_second_fresh_run_started_while_the_first_runs_exits_2(async_run_stopped_by_sigterm):
+    """Two fresh runs on one run.dir at once: the second exits 2 before starting Ray -- at the run
+    directory's lock, or, if the first already finished a step by then, at the used-directory check --
+    and the first's files are its own: one metrics row per step (the SIGTERM test above)."""
+    r = async_run_stopped_by_sigterm
+    second = r["second"]
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and (f"is in use by another run (pid {r['first_pid']} " in errors[0]
+                                 or "already holds a run" in errors[0]), second.stderr[-3000:]
+    assert "Started a local Ray instance" not in second.stderr + second.stdout
 
 
 def test_april_preset_resumes_and_trains_every_aborted_token(tmp_path):

@@ -258,6 +258,10 @@ def test_reward_raising_with_on_error_stop_stops_with_its_message_and_keeps_outp
     assert mgr.latest_valid().step == len(got), "the checkpoint of the last finished step is intact"
 
 
+CONFIG_SECRET = "cfgSECRETpw0123456789"
+"""A password inside a config value of the W&B-offline run below."""
+
+
 @pytest.fixture(scope="module")
 def nan_reward_run(cluster, tmp_path_factory):
     """One W&B-offline run with fake API keys in the environment, a reward that returns NaN and one
@@ -270,7 +274,7 @@ def nan_reward_run(cluster, tmp_path_factory):
     final = {}
     try:
         cfg = make_cfg(tmp, "run.steps=2", "logging.wandb=offline", "reward.on_error=zero", "reward.num_workers=2",
-                       "reward.timeout_s=0.5")
+                       "reward.timeout_s=0.5", f"rollout.sglang.url=http://bob:{CONFIG_SECRET}@10.0.0.5:30000")  # unused by torch
         cfg.reward.functions = {"tests.fault_rewards:nan_every_fifth": 1.0, "tests.fault_rewards:hangs_on_its_first_call": 0.0}
         train(cfg, on_step=lambda step, batch, learner: final.update(learner.full_state_dict()))
     finally:
@@ -314,13 +318,16 @@ def test_run_checkpoint_loads_without_unpickling(nan_reward_run, no_pickle):
 
 
 def test_api_keys_never_reach_the_run_directory(nan_reward_run):
+    """Neither the fake API keys in the environment nor a password inside a config value (a URL with
+    credentials) reach any file of a real W&B-offline run: config.yaml, metrics, checkpoints, W&B's files."""
     cfg, fake, _ = nan_reward_run
     files = [p for p in cfg.run_dir.rglob("*") if p.is_file()]
     assert any("offline-run" in str(p) for p in files), "W&B offline files were not written under the run dir"
     for p in files:
         data = p.read_bytes()
-        for name, value in fake.items():
+        for name, value in {**fake, "rollout.sglang.url's password": CONFIG_SECRET}.items():
             assert value.encode() not in data, f"{name} leaked into {p}"
+    assert "http://bob:***@10.0.0.5:30000" in (cfg.run_dir / "config.yaml").read_text()
 
 
 def test_ray_dashboard_is_off_and_sglang_binds_loopback(cluster):

@@ -106,8 +106,9 @@ class AgentContext:
             return result
         try:
             result = await _run_bounded(fn, args, kwargs, timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the tool's failure is the loop's to handle
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the tool's failure is the loop's to handle (sys.exit too)
             error = (f"{name} timed out after {timeout_s:g}s" if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+                     else f"{name} called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
                      else f"{name} raised {type(exc).__name__}: {exc}")
             self.calls.append([name, None, error])
             raise ToolFailed(error) from None

@@ -144,9 +144,10 @@ class AgentRunner:
             error = f"timed out after {a.step_timeout_s:g}s"
         except StepAborted:
             raise
-        except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
+            # SystemExit too: an environment calling sys.exit() would otherwise end the generation actor.
             self.counters["step_failures"] += 1
-            error = f"{type(exc).__name__}: {exc}"
+            error = f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
         if error is not None:  # the environment chooses what the model sees; the limit still holds
             step = on_failure(self.env, state, turn, error)
             step = Step(np.asarray(step.observation_ids, np.int64).reshape(-1)[: a.max_observation_tokens],

@@ -14,4 +14,6 @@ class ConfigError(UserError, ValueError):
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, docstrings are descriptions."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan=False: no setting is meaningful at inf/NaN (a NaN reward weight or an inf weight decay
+    # turns the weights into NaN after one step), so every float field refuses them by name.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from async_april.config.base import Section
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+"""An Adam moment decay rate."""
 
 
 class RejectionConfig(Section):
@@ -123,8 +126,8 @@ class LearnerConfig(Section):
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
+    betas: tuple[Beta, Beta] = (0.9, 0.99)
+    """AdamW betas, each in [0, 1) (torch.optim.AdamW refuses others, inside the learner actor)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate after warm-up: constant, or decaying linearly or along a half cosine to `lr * min_lr_ratio` at `run.steps` (transformers' `constant_with_warmup` and `warmup_stable_decay` schedules; learners/optim.py)."""
     warmup_steps: int = Field(0, ge=0)
@@ -148,6 +151,14 @@ class LearnerConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (off by default)."""
 
+    @model_validator(mode="after")
+    def _check_decay(self) -> "LearnerConfig":
+        if self.lr * self.weight_decay >= 1.0:
+            # AdamW decays decoupled: p <- p * (1 - lr * weight_decay); at >= 1 every step zeroes or flips the weights.
+            raise ValueError(f"learner.lr x learner.weight_decay = {self.lr * self.weight_decay:g} must be below 1 "
+                             "(AdamW multiplies the weights by 1 - lr x weight_decay each step); lower one of them")
+        return self
+
 
 class WeightSyncConfig(Section):
     transport: Literal["object_store", "nccl", "disk"] = "object_store"
@@ -155,4 +166,11 @@ class WeightSyncConfig(Section):
     bucket_mb: float = Field(256.0, gt=0.0)
     """Largest weight bucket in MB; tensors are grouped by dtype into buckets of at most this size."""
     disk_dir: str | None = None
-    """Directory for the disk transport, visible to learner rank 0 and every engine; None uses `run.dir/weights`."""
+    """Directory for the disk transport, visible to learner rank 0 and every engine; None uses `run.dir/weights`. Only with `transport: disk`."""
+
+    @model_validator(mode="after")
+    def _check_disk_dir(self) -> "WeightSyncConfig":
+        if self.disk_dir is not None and self.transport != "disk":
+            raise ValueError(f"weight_sync.disk_dir is only used by weight_sync.transport=disk (this config has "
+                             f"{self.transport}); set weight_sync.transport=disk or remove weight_sync.disk_dir")
+        return self

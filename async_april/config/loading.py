@@ -11,6 +11,9 @@ from pydantic import ValidationError
 
 from async_april.config.base import ConfigError
 from async_april.config.root import Config
+from async_april.errors import short_repr
+from async_april.masking import mask_config
+from async_april.structured import DuplicateKeyError, NestingError, load_yaml
 
 OVERRIDES_HELP = "dotted overrides, e.g. rollout.n_samples=4 async.max_staleness=2 (docs/configuration.md)"
 """Help text of the KEY=VALUE arguments of every command that takes a config."""
@@ -19,15 +22,15 @@ OVERRIDES_HELP = "dotted overrides, e.g. rollout.n_samples=4 async.max_staleness
 def _format_validation_error(err: ValidationError, source: str) -> str:
     """One line: `invalid config (SOURCE): key: problem (got VALUE); key: ...`."""
     parts = []
-    for e in err.errors():
+    for e in err.errors()[:8]:  # bounded: the first eight problems name enough to fix
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         key = key.replace("async_", "async")
         if e["type"] == "extra_forbidden":
-            parts.append(f"{key}: unknown key (value {e['input']!r}); check the spelling against docs/configuration.md")
+            parts.append(f"{key}: unknown key (value {short_repr(e['input'])}); check the spelling against docs/configuration.md")
         elif e["type"] == "value_error":  # a check across keys: its message names them
             parts.append(e["msg"].removeprefix("Value error, "))
         else:
-            parts.append(f"{key}: {e['msg']} (got {e['input']!r})")
+            parts.append(f"{key}: {e['msg']} (got {short_repr(e['input'])})")
     return f"invalid config ({source}): " + "; ".join(parts)
 
 
@@ -40,9 +43,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not path:
         raise ConfigError(f"override {item!r} has an empty key")
     try:
-        return path, yaml.safe_load(raw) if raw.strip() else None
+        return path, load_yaml(raw) if raw.strip() else None
+    except (NestingError, DuplicateKeyError) as e:
+        raise ConfigError(f"override {short_repr(item, 80)}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+        raise ConfigError(f"override {short_repr(item, 200)}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
                           "write a string value in YAML quotes") from None
 
 
@@ -72,7 +77,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     source = "defaults"
     if path is not None:
         p = Path(path)
-        data = _resolve_presets(read_yaml(p, "config file"), p.parent)
+        data = _resolve_presets(read_yaml(p, "config file"), p.parent, (p.resolve(),))
         source = str(p)
     if overrides:
         data = apply_overrides(data, overrides)
@@ -80,19 +85,25 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     return config_from_dict(data, source)
 
 
-def _resolve_presets(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """`defaults: [presets/async.yaml]` merges those files first, then this one on top."""
+def _resolve_presets(data: dict[str, Any], base: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """`defaults: [presets/async.yaml]` merges those files first, then this one on top. `chain`: the files
+    being included, outermost first (a file reached again through its own defaults is a cycle)."""
     includes = data.pop("defaults", None) or []
     if isinstance(includes, str):
         includes = [includes]
     merged: dict[str, Any] = {}
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ConfigError(f"`defaults` must be a list of YAML file paths, e.g. [presets/async.yaml], got {includes!r}")
+        raise ConfigError(f"`defaults` must be a list of YAML file paths, e.g. [presets/async.yaml], got {short_repr(includes)}")
     for inc in includes:
         inc_path = (base / inc).resolve()
         if not inc_path.is_file():
             raise ConfigError(f"defaults entry {inc!r} not found at {str(inc_path)!r}")
-        _deep_merge(merged, _resolve_presets(read_yaml(inc_path, f"defaults entry {inc!r}"), inc_path.parent))
+        if inc_path in chain:
+            loop = " -> ".join(p.name for p in (*chain[chain.index(inc_path):], inc_path))
+            raise ConfigError(f"defaults entry {inc!r} in {str(chain[-1])!r} includes a file that includes it back "
+                              f"({loop}); remove one of these defaults entries")
+        _deep_merge(merged, _resolve_presets(read_yaml(inc_path, f"defaults entry {inc!r}"), inc_path.parent,
+                                             (*chain, inc_path)))
     _deep_merge(merged, data)
     return merged
 
@@ -103,7 +114,9 @@ def read_yaml(p: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} {str(p)!r} does not exist" + (" (it is a directory)" if p.is_dir() else ""))
     try:
         text = p.read_text(encoding="utf-8")
-        loaded = yaml.safe_load(text)
+        loaded = load_yaml(text)  # bounded depth and aliases, duplicated keys refused (async_april/structured.py)
+    except (NestingError, DuplicateKeyError) as e:
+        raise ConfigError(f"{what} {str(p)!r}: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
@@ -128,8 +141,8 @@ def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> None:
 
 
 def save_config(cfg: Config, run_dir: Path) -> Path:
-    """Write the resolved config as run_dir/config.yaml. Secrets never live in the config."""
+    """Write the resolved config as run_dir/config.yaml, every secret in it masked (async_april/masking.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
-    out.write_text(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
+    out.write_text(yaml.safe_dump(mask_config(cfg.to_yaml_dict()), sort_keys=False))
     return out

@@ -41,7 +41,7 @@ from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
 from async_april.stopping import GracefulStop, Interrupted
-from async_april.tracking import Tracker, redact
+from async_april.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +57,32 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
 
     r = resolve(cfg)
     cfg, run_dir, resume = r.cfg, r.run_dir.path, r.resume
-    moved = rundir.prepare(r.run_dir, cfg)
-    if moved is not None:
-        say(f"run.overwrite: moved the previous run to {moved}")
-    save_config(cfg, run_dir)
-    (run_dir / "config.yaml").write_text(redact((run_dir / "config.yaml").read_text()))
-    for line in r.describe():
-        say(line)
-    same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
-    started_ray, tracker, stop = init_ray(cfg), None, GracefulStop()
+    run_lock, state = rundir.lock(r.run_dir, cfg)  # held until the run ends: a second run here exits 2
     try:
-        check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
-        tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
-                          elapsed_s=resume.controller_state().get("time/elapsed_s", 0.0) if resume else 0.0,
-                          wandb_run_id=resume.manifest.wandb_run_id if same_run else None)
-        with stop:
-            run = run_loop(cfg, r, tracker, stop, on_step, learner_factory)
+        moved = rundir.prepare(state, cfg)
+        if moved is not None:
+            say(f"run.overwrite: moved the previous run to {moved}")
+        save_config(cfg, run_dir)  # secrets masked (async_april/masking.py)
+        for line in r.describe():
+            say(line)
+        same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
+        controller = resume.controller_state() if resume else {}
+        started_ray, tracker, stop = init_ray(cfg), None, GracefulStop()
+        try:
+            check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
+            tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
+                              elapsed_s=controller.get("time/elapsed_s", 0.0),
+                              wandb_run_id=resume.manifest.wandb_run_id if same_run else None,
+                              checkpoint_row=controller.get("metrics_row"))
+            with stop:
+                run = run_loop(cfg, r, tracker, stop, on_step, learner_factory)
+        finally:
+            if tracker is not None:
+                tracker.close()
+            if started_ray:
+                ray.shutdown()
     finally:
-        if tracker is not None:
-            tracker.close()
-        if started_ray:
-            ray.shutdown()
+        run_lock.release()
     say(tracker.summary(run.last_checkpoint))
     if stop.signum is not None and run.step < cfg.run.steps:
         raise Interrupted(stop.signum, run.step, run.last_checkpoint)
@@ -241,6 +246,7 @@ class RunState:
         controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
                       "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
                       "time/elapsed_s": round(tracker.elapsed_s, 3), "async/eta_streak": self.eta_streak,
+                      "metrics_row": tracker.last_row,  # put back on resume if the crash tore it from metrics.jsonl
                       **(self.evaluator.schedule.state() if self.evaluator is not None else {})}
         path = CheckpointManager(self.cfg.run_dir, ck.keep, ck.verify).save(
             self.step, learner.version, learner, ray.get(store.call.remote("state_dict")), controller,
@@ -342,8 +348,10 @@ def init_ray(cfg: Config) -> bool:
            "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
+        from async_april.launch.resolve import probe_ray_address
         from async_april.rundir import in_ray_job
 
+        probe_ray_address(cfg)  # a clear error in seconds, not ray.init's minutes of retries
         ray.init(address=address, runtime_env={"env_vars": {k: v for k, v in env.items() if k != "PYTHONPATH"}})
         say(f"ray: joined the cluster at {address}" + (" as a `ray job submit` driver" if in_ray_job() else ""))
         return False

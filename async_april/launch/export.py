@@ -19,6 +19,7 @@ the base at model.path must be the one trained on (its weights' sha256 is in the
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"OUT_DIR {str(out_dir)!r} already exists and is not an empty directory; give a new directory")
+    if (blocker := next((p for p in out.parents if p.exists() and not p.is_dir()), None)) is not None:
+        raise UserError(f"OUT_DIR {str(out_dir)!r} lies under {blocker}, which is a file, not a directory; "
+                        "give a path under a directory")
+    if not os.access(next(p for p in out.parents if p.exists()), os.W_OK):
+        raise UserError(f"OUT_DIR {str(out_dir)!r} cannot be created: {next(p for p in out.parents if p.exists())} "
+                        "is not writable; give a writable location")
     ck = open_checkpoint(checkpoint)
     cfg = run_config_of(ck)
 

@@ -4,10 +4,12 @@
       run dir      absolute (relative under `ray job submit` is an error), a directory we can
                    write, not already used by another run unless run.resume / run.overwrite say so
       resume       run.resume -> a verified checkpoint (or a fresh start for `auto` without one)
+      tracking     logging.wandb=online has an API key to use (W&B would otherwise fail after Ray started)
       rewards      every name in reward.functions imported (this runs the user's module)
       env          rollout.env imported and built once with rollout.agent.env_args (multi-turn)
       model        model.path -> a local directory (built for builtin:, a hub ID via the Hugging Face
-                   cache: async_april/hub.py), its tokenizer,
+                   cache: async_april/hub.py) whose config.json and weight headers open as the
+                   engines will open them (async_april/weight_files.py), its tokenizer,
                    and a checkpoint being resumed must be of this model's shape (LoRA: of this
                    very base, by the sha256 of its weights)
       engine       SGLang: this environment must not make its logprobs pre-temperature
@@ -35,6 +37,8 @@ from async_april.checkpointing import Checkpoint, check_model_fits, model_shape,
 from async_april.config import Config
 from async_april.data import PromptDataset, load_prompts
 from async_april.errors import ModelError, UserError
+from async_april.tracking import check_wandb_key
+from async_april.weight_files import check_model_dir
 from async_april.evaluation import EvalSet, load_eval_sets
 from async_april.rewards import RewardFn, check_reward_signature, get_reward_fn
 
@@ -55,6 +59,9 @@ class Resolved:
     rewards: dict[str, RewardFn] = field(default_factory=dict)
     eval_sets: list[EvalSet] = field(default_factory=list)
 
+    imported: list[str] = field(default_factory=list)
+    """User modules the config named that were imported here (their import-time code ran)."""
+
     def describe(self) -> list[str]:
         """What was resolved, one line each (printed by `check` and at the start of `train`)."""
         d, ck = self.dataset, self.resume
@@ -69,7 +76,8 @@ class Resolved:
             "rewards " + ", ".join(f"{n} x{w:g}" for n, w in self.cfg.reward.functions.items()),
             f"resume from {ck.path} (step {ck.step}, policy version {ck.version})" if ck else
             ("resume: no checkpoint yet, starting from step 0" if self.cfg.run.resume else "resume: no (fresh start)"),
-        ] + [f"eval {s.name}: {len(s.rows)} held-out prompts" + (f" ({s.in_training} also in the training data left out)"
+        ] + [f"imported {m} (its import-time code ran here, and runs in every actor that uses it)" for m in self.imported
+             ] + [f"eval {s.name}: {len(s.rows)} held-out prompts" + (f" ({s.in_training} also in the training data left out)"
                                                                  if s.in_training else "") for s in self.eval_sets]
 
 
@@ -86,12 +94,14 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
         cfg.run.resume = str(resume.path)
     rundir.check_reuse(state, cfg)
     check_engine_environment(cfg)
+    check_wandb_key(cfg)
     rewards = {name: get_reward_fn(name) for name in cfg.reward.functions}
+    imported = [f"{n.partition(':')[0]} (reward.functions)" for n in cfg.reward.functions if ":" in n]
     try:
         model_path = Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir)).absolute()
-        shape = model_shape(model_path)
     except (OSError, ValueError) as e:
         raise ModelError(str(e) if str(e).startswith("model.path") else f"model.path {cfg.model.path!r}: {e}") from None
+    shape = model_shape(check_model_dir(model_path, cfg.model.path))
     if resume is not None:
         check_model_fits(resume, shape)
         check_lora_resume(cfg, resume, model_path)
@@ -104,7 +114,9 @@ def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
         from actors.agents.env import make_env
 
         make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args)
-    return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards, eval_sets)
+        if not cfg.rollout.env.startswith("builtin:"):
+            imported.append(f"{cfg.rollout.env.partition(':')[0]} (rollout.env)")
+    return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards, eval_sets, imported)
 
 
 def check_lora_resume(cfg: Config, resume: Checkpoint, model_path: Path) -> None:
@@ -182,6 +194,7 @@ def cluster_gpus_if_reachable(cfg: Config) -> float | None:
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     if not address:
         return None
+    probe_ray_address(cfg)
     import ray
 
     started = not ray.is_initialized()
@@ -192,3 +205,34 @@ def cluster_gpus_if_reachable(cfg: Config) -> float | None:
     finally:
         if started:
             ray.shutdown()
+
+
+RAY_CONNECT_TIMEOUT_S = 10.0
+"""How long joining a named Ray cluster may take to answer at all (ray.init itself retries for minutes)."""
+
+
+class ClusterError(UserError, ConnectionError):
+    """The Ray cluster the config or environment names does not answer."""
+
+
+def probe_ray_address(cfg: Config) -> None:
+    """ClusterError when the `host:port` (or `ray://host:port`) in run.ray_address / RAY_ADDRESS accepts no
+    TCP connection within RAY_CONNECT_TIMEOUT_S: said at once instead of ray.init's minutes of retries.
+    `auto` and `local` are Ray's own lookups and are left to it."""
+    import os
+    import socket
+
+    key = "run.ray_address" if cfg.run.ray_address else "RAY_ADDRESS"
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or ""
+    hostport = address.removeprefix("ray://").split("/", 1)[0]
+    if address in ("auto", "local") or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (getattr(e, "strerror", None) or str(e))
+        raise ClusterError(f"{key}={address!r}: no Ray cluster answers at {hostport} ({why}, waited at most "
+                           f"{RAY_CONNECT_TIMEOUT_S:g} s); start it (`ray start --head`), fix the address, or unset "
+                           f"{key} to run on an embedded cluster") from None
+

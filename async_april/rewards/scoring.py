@@ -82,8 +82,10 @@ def _run_functions(functions: dict[str, Any], prompt: str, response: str, answer
             out.append((name, value, None))
         except RewardTimeout:
             out.append((name, None, f"RewardTimeout: reward {name!r} took longer than reward.timeout_s={timeout_s}s"))
-        except Exception as e:  # noqa: BLE001 - reported to the caller, which applies reward.on_error
-            out.append((name, None, f"{e!r}\n{traceback.format_exc()}"))
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - reported to the caller, which applies reward.on_error;
+            # SystemExit too: a reward calling sys.exit() would otherwise end the actor's thread (or pool worker).
+            what = f"reward {name!r} called sys.exit({e.code!r})" if isinstance(e, SystemExit) else repr(e)
+            out.append((name, None, f"{what}\n{traceback.format_exc()}"))
     return out
 
 
