@@ -646,3 +646,19 @@ def test_a_multi_turn_episode_runs_the_same_through_the_sglang_client(model_dir,
     np.testing.assert_array_equal(over_http.loss_mask, in_process.loss_mask)
     assert (over_http.turns, over_http.env_reward) == (in_process.turns, in_process.env_reward)
     np.testing.assert_allclose(over_http.behavior_logprobs, in_process.behavior_logprobs, atol=1e-4)
+
+
+def test_an_empty_observation_still_ends_the_turn(model_dir, tokenizer):
+    """Regression (issue 26.2): turn boundaries were read from the last environment token, so after an
+    empty observation (done=False) the next step was handed every turn since the previous observation,
+    or, once rollout.agent.max_turn_tokens was spent, the same tokens again with no new turn sampled.
+    Each step is handed exactly its own turn; together they are the model's tokens, once each."""
+    from tests.agent_envs import QuietEnv
+
+    QuietEnv.handed.clear()
+    cfg = make_cfg(model_dir, "tests.agent_envs:QuietEnv")  # max_turn_tokens=10, max_new_tokens=64
+    s = asyncio.run(run_episode(make_actor(cfg, model_dir), turn_rows(tokenizer, 1)[0]))
+    assert s.done and s.turns == 3 and len(QuietEnv.handed) == 3
+    assert all(0 < len(t) <= 10 for t in QuietEnv.handed), [len(t) for t in QuietEnv.handed]
+    assert sum(QuietEnv.handed, []) == s.response_ids[s.model_mask].tolist(), "a step was handed another step's turn"
+    assert s.response_ids[~s.model_mask].tolist() == [14]  # the second step's observation, the first's was empty
