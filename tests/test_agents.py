@@ -558,12 +558,18 @@ def test_a_multi_turn_partial_survives_a_checkpoint(tmp_path, no_pickle):
     s.observe(np.array([6, 7, 8, 14]))
     s.extend(np.array([9]), np.array([-0.5]), np.array([2]), "abort")
     s.env_state, s.env_pending, s.turns, s.env_reward = {"chunks": ["12", "345"], "turn": 1}, True, 1, 0.5
+    s.turn_begin = 7
     state_codec.save({"partials": {s.uid: s}}, tmp_path, "store")
     back = state_codec.load(tmp_path, "store")["partials"][s.uid]
     for name in ("response_ids", "behavior_logprobs", "versions", "loss_mask"):
         np.testing.assert_array_equal(getattr(back, name), getattr(s, name))
     assert (back.env_state, back.env_pending, back.turns, back.env_reward) == (s.env_state, True, 1, 0.5)
-    assert back.turn_start == 7 and back.model_versions.tolist() == [0, 0, 1, 2]
+    assert back.turn_begin == back.turn_start == 7 and back.model_versions.tolist() == [0, 0, 1, 2]
+    # A checkpoint written before turn boundaries were recorded: the turn starts after the last env token.
+    tree, arrays = state_codec.encode(s)
+    del tree["fields"]["turn_begin"]
+    old = state_codec.decode(tree, lambda tag: arrays[tag["$nd"]])
+    assert old.turn_begin is None and old.turn_start == 7
 
 
 def test_a_multi_turn_run_trains_through_ray(tmp_path, model_dir, ray_cluster):
