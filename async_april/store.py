@@ -87,11 +87,11 @@ class RolloutStore:
         """Up to `max_items` samples for `actor_id`, partials first, then fresh, then new groups."""
         out: list[Sample] = []
         self.counters.extra["store_calls"] += 1
-        self._retire_stale_open_groups()
+        doomed = self._retire_stale_open_groups()
         for uid in sorted(self.partials, key=self._partial_order):
             if len(out) == max_items:
                 break
-            if self.hold_until.get(uid, -1) >= engine_version or self._past_eta(self.open_groups[self.partials[uid].prompt_index]):
+            if self.hold_until.get(uid, -1) >= engine_version or self.partials[uid].prompt_index in doomed:
                 continue  # held for newer weights, or of a group to regenerate once its last lease is back
             s = self.partials.pop(uid)
             self.hold_until.pop(uid, None)
@@ -103,7 +103,7 @@ class RolloutStore:
             if not self.fresh and not self._start_group():
                 break
             p, i = self.fresh.popleft()
-            if self._past_eta(self.open_groups[p]):
+            if p in doomed:
                 waiting.append((p, i))
                 continue
             out.append(self.open_groups[p].samples[i])
@@ -244,15 +244,17 @@ class RolloutStore:
     def _past_eta(self, g: Group) -> bool:
         return self.controller.is_stale(g.min_version(), self.version)
 
-    def _retire_stale_open_groups(self) -> None:
+    def _retire_stale_open_groups(self) -> set[int]:
         """A started group whose oldest token is past eta can never be trained: finishing it only wastes
         generation (its partials would even be resumed first). Take it out now and apply the stale
         policy, once none of its responses is leased: an actor may still push one, and a fresh sample
-        of the same uid must not be leased while the old one is in flight. Until then `lease` hands
-        out none of its work."""
+        of the same uid must not be leased while the old one is in flight. Returns the prompts of the
+        stale groups still waiting for a lease: `lease` hands out none of their work."""
         leased = {uid for held in self.leases.values() for uid in held}
+        waiting: set[int] = set()
         for g in [g for g in self.open_groups.values() if self._past_eta(g)]:
             if any(s.uid in leased for s in g.samples):
+                waiting.add(g.prompt_index)
                 continue
             del self.open_groups[g.prompt_index]
             self.fresh = deque(x for x in self.fresh if x[0] != g.prompt_index)
@@ -260,6 +262,7 @@ class RolloutStore:
                 self.partials.pop(s.uid, None)
                 self.hold_until.pop(s.uid, None)
             self._stale(g)
+        return waiting
 
     def _stale(self, g: Group) -> None:
         """`async.stale_policy` for a group past eta (no longer open or completed)."""
