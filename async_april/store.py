@@ -11,7 +11,9 @@ trained, filtered, dropped or skipped (its learner step was skipped) -- and
 
 `RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor` wraps
 it as an async Ray actor whose `get_batch` waits without blocking pushes.
-Everything here, leases included, is saved by `state_dict()`.
+Everything here, leases included, is saved by `state_dict()`. A little over
+400 lines because the accounting is one invariant: every method that moves a
+prompt between states sits beside the `accounting()` that proves it.
 """
 
 from __future__ import annotations
