@@ -30,11 +30,12 @@ So the episode's whole state is plain data in the sample (the row, the
 turns, the call results), and an episode aborted anywhere (an early stop, a
 weight update, a checkpoint, another actor) resumes exactly as an
 environment's does: a call that was running when the abort came is run
-again, the finished ones are not (those of the step the abort cut
-included: each is reported to the runner as it finishes, `progress`). The price: the loop must be deterministic
-given the row, its turns and its call results (use `row.seed` for any
-randomness); a replay that diverges from its record raises, and the step
-fails with a message that says so.
+again, the finished ones are not, those of the step the abort cut included
+(each is reported to the runner as it finishes, through the step's
+`progress`). The price: the loop must be deterministic given the row, its
+turns and its call results (use `row.seed` for any randomness); a replay
+that diverges from its record raises, and the step fails with a message
+that says so.
 """
 
 from __future__ import annotations
