@@ -14,7 +14,8 @@ chat template's turn markers itself; `actors/agents/chat.py` computes them.
 State is plain data (dicts, lists, numbers, strings) kept in the `Sample`, not
 in the environment object: a response interrupted between turns can resume on
 another actor or after a checkpoint, and a step interrupted while it ran is
-simply run again on resume. So `step` must be a function of (state, turn ids):
+run again on resume (from the last state it reported through `progress`, if its
+`step` takes that keyword). So `step` must be a function of (state, turn ids):
 the same inputs give the same observation, reward and state.
 One instance serves all of an actor's episodes, and its steps run in several
 threads at once: keep no per-episode data on it, and guard anything shared.
@@ -89,6 +90,9 @@ class Environment:
         raise NotImplementedError
 
     def step(self, state: dict, turn_ids: np.ndarray) -> Step:
+        """The model's turn -> observation ids, reward, done, new state. A subclass may add a keyword
+        `progress=None`: the runner then passes a callable to report, from the step's thread, the state
+        a rerun of this step must start from once a side effect is done (kept if the step is aborted)."""
         raise NotImplementedError
 
     def on_failure(self, state: dict, turn_ids: np.ndarray, error: str) -> Step:

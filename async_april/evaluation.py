@@ -12,6 +12,8 @@
 The learner never waits for an evaluation: one runs at a time, and one that falls due while the
 previous is still running is skipped and counted (`eval/skipped`). Only the last step waits (nothing
 is left to train); an evaluation still running at an older version is then superseded by the final one.
+Training never dies with an evaluation: one that raises or whose actor dies is logged as
+`eval/<name>/failed` (counted in `eval/failed`), and the next one gets a new actor.
 Every evaluation loads one version before its first request and nothing else loads weights into its
 engine until it ends, so its samples never mix versions (checked on every token). Evaluation prompts
 never enter the rollout store: they cannot be trained or counted as training prompts.
@@ -146,6 +148,8 @@ class EvalSchedule:
     requested: int = 0
     completed: int = 0
     skipped: int = 0
+    failed: int = 0
+    """Evaluations that raised or whose actor died (each logged as `eval/<name>/failed`); training went on."""
     last_version: int = -1
     """Policy version of the latest evaluation started (-1: none); a version is never evaluated twice."""
 
@@ -158,7 +162,7 @@ class EvalSchedule:
 
     def state(self) -> dict[str, int]:
         return {"eval/requested": self.requested, "eval/completed": self.completed, "eval/skipped": self.skipped,
-                "eval/last_version": self.last_version}
+                "eval/failed": self.failed, "eval/last_version": self.last_version}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Counters from a checkpoint's controller state; an evaluation in flight when it was saved is lost
@@ -166,4 +170,5 @@ class EvalSchedule:
         self.requested = int(state.get("eval/requested", 0))
         self.completed = int(state.get("eval/completed", 0))
         self.last_version = int(state.get("eval/last_version", -1))
-        self.skipped = self.requested - self.completed
+        self.failed = int(state.get("eval/failed", 0))  # absent from checkpoints written before it was counted
+        self.skipped = self.requested - self.completed - self.failed

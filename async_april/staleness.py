@@ -20,7 +20,8 @@ Admission alone does not bound staleness: batches are made of COMPLETE groups,
 so a long group admitted early can be overtaken by newer short ones until its
 oldest token is past eta. Batches are therefore chosen earliest deadline first
 (`is_due`): the store waits for a started group whose deadline is the current
-version rather than fill the batch with newer groups (async_april/store.py).
+version rather than fill the batch with newer groups, and regenerates at once a
+started group already past it (async_april/store.py).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ class StalenessController:
         return max(0, min(by_staleness, by_over_provision))
 
     def is_due(self, oldest_token_version: int, version: int, eta: int | None = None) -> bool:
-        """Whether a group whose oldest token is that version must be trained at `version` at the
-        latest (its deadline, oldest + eta, has come): one batch later it would exceed eta.
+        """Whether a group whose oldest token is that version is due exactly at `version` (its deadline,
+        oldest + eta, is now): trained at this version or never, since one batch later it exceeds eta.
+        A group past its deadline is stale (`is_stale`), not due: waiting for it gains nothing.
         `eta`: the group's own bound when eta changed since it was admitted (default: this one's)."""
         eta = self.max_staleness if eta is None else eta
-        return oldest_token_version >= 0 and oldest_token_version + eta <= version
+        return oldest_token_version >= 0 and oldest_token_version + eta == version
 
     def is_stale(self, oldest_token_version: int, version: int, eta: int | None = None) -> bool:
         """Whether a group whose oldest token is that version exceeds eta if trained at `version`."""

@@ -99,21 +99,27 @@ class RolloutStore:
         """Up to `max_items` samples for `actor_id`, partials first, then fresh, then new groups."""
         out: list[Sample] = []
         self.counters.extra["store_calls"] += 1
+        doomed = self._retire_stale_open_groups()
         for uid in sorted(self.partials, key=self._partial_order):
             if len(out) == max_items:
                 break
-            if self.hold_until.get(uid, -1) >= engine_version:
-                continue
+            if self.hold_until.get(uid, -1) >= engine_version or self.partials[uid].prompt_index in doomed:
+                continue  # held for newer weights, or of a group to regenerate once its last lease is back
             s = self.partials.pop(uid)
             self.hold_until.pop(uid, None)
             s.num_resumes += 1
             self.counters.partial_resumed += 1
             out.append(s)
+        waiting: list[tuple[int, int]] = []  # fresh samples of a group past eta, kept for its requeue
         while len(out) < max_items:
             if not self.fresh and not self._start_group():
                 break
             p, i = self.fresh.popleft()
+            if p in doomed:
+                waiting.append((p, i))
+                continue
             out.append(self.open_groups[p].samples[i])
+        self.fresh.extendleft(reversed(waiting))
         held = self.leases.setdefault(actor_id, {})
         for s in out:
             held[s.uid] = s
@@ -131,16 +137,19 @@ class RolloutStore:
         if self.controller.capacity(self.version, admitted, untrained) <= 0:
             return False
         p = self.cursor
-        row = self.dataset.row(p)
         self.group_eta[p] = self.max_staleness
-        self.open_groups[p] = Group(
-            prompt_index=p,
-            samples=[Sample(prompt_index=p, sample_index=i, prompt_ids=row.prompt_ids, answer=row.answer, extra=row.extra) for i in range(self.n)],
-        )
+        self.open_groups[p] = self._new_group(p)
         self.fresh.extend((p, i) for i in range(self.n))
         self.cursor += 1
         self.counters.started_groups += 1
         return True
+
+    def _new_group(self, p: int) -> Group:
+        """The n samples of prompt `p` as never generated, built from its dataset row: never from an
+        earlier attempt's samples, whose prompt ids an environment's reset may have extended."""
+        row = self.dataset.row(p)
+        return Group(prompt_index=p, samples=[Sample(prompt_index=p, sample_index=i, prompt_ids=row.prompt_ids,
+                                                     answer=row.answer, extra=row.extra) for i in range(self.n)])
 
     # -- work back --------------------------------------------------------
     def push(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
@@ -160,6 +169,7 @@ class RolloutStore:
                     self._complete(group)
             else:
                 self._to_partial(s, hold=self.version if early_stop else None)
+        self._retire_stale_open_groups()
 
     def _to_partial(self, s: Sample, hold: int | None = None) -> None:
         if s.num_tokens == 0:
@@ -216,11 +226,12 @@ class RolloutStore:
         return batch
 
     def _waiting_for_due_groups(self) -> bool:
-        """Earliest deadline first, across unfinished groups too: while a started group is due at
-        this version (trained now, or past eta at the next) and can still finish, the batch waits
+        """Earliest deadline first, across unfinished groups too: while a started group is due exactly
+        at this version (trained now, or past eta at the next) and can still finish, the batch waits
         for it instead of training newer complete groups, unless B due groups are complete already.
         Generation continues meanwhile (partials resume first, oldest first), so the wait is the
-        group's remaining tail; regenerating it would cost its whole length again."""
+        group's remaining tail; regenerating it would cost its whole length again. A group already
+        past eta is never waited for: it could not be trained, and is regenerated instead."""
         v = self.version
         if not any(self.controller.is_due(g.min_version(), v, self._eta(g)) and self._can_finish(g) for g in self.open_groups.values()):
             return False
@@ -240,18 +251,47 @@ class RolloutStore:
         return v if v >= 0 else self.version
 
     def _apply_stale_policy(self) -> None:
+        self._retire_stale_open_groups()
         keep: deque[Group] = deque()
         for g in self.completed:
-            if not self.controller.is_stale(g.min_version(), self.version, self._eta(g)):
-                keep.append(g)
-            elif self.stale_policy == "drop":
-                self._drop(g)
-            elif self.requeues.get(g.prompt_index, 0) >= self.max_requeues:
-                self.counters.requeue_limit_groups += 1
-                self._drop(g)
+            if self._past_eta(g):
+                self._stale(g)
             else:
-                self._requeue(g)
+                keep.append(g)
         self.completed = keep
+
+    def _past_eta(self, g: Group) -> bool:
+        return self.controller.is_stale(g.min_version(), self.version, self._eta(g))
+
+    def _retire_stale_open_groups(self) -> set[int]:
+        """A started group whose oldest token is past eta can never be trained: finishing it only wastes
+        generation (its partials would even be resumed first). Take it out now and apply the stale
+        policy, once none of its responses is leased: an actor may still push one, and a fresh sample
+        of the same uid must not be leased while the old one is in flight. Returns the prompts of the
+        stale groups still waiting for a lease: `lease` hands out none of their work."""
+        leased = {uid for held in self.leases.values() for uid in held}
+        waiting: set[int] = set()
+        for g in [g for g in self.open_groups.values() if self._past_eta(g)]:
+            if any(s.uid in leased for s in g.samples):
+                waiting.add(g.prompt_index)
+                continue
+            del self.open_groups[g.prompt_index]
+            self.fresh = deque(x for x in self.fresh if x[0] != g.prompt_index)
+            for s in g.samples:
+                self.partials.pop(s.uid, None)
+                self.hold_until.pop(s.uid, None)
+            self._stale(g)
+        return waiting
+
+    def _stale(self, g: Group) -> None:
+        """`async.stale_policy` for a group past eta (no longer open or completed)."""
+        if self.stale_policy == "drop":
+            self._drop(g)
+        elif self.requeues.get(g.prompt_index, 0) >= self.max_requeues:
+            self.counters.requeue_limit_groups += 1
+            self._drop(g)
+        else:
+            self._requeue(g)
 
     def _drop(self, g: Group) -> None:
         self.dropped.append(g.prompt_index)
@@ -261,15 +301,13 @@ class RolloutStore:
         self._waste(g, "stale")
 
     def _requeue(self, g: Group) -> None:
-        """Regenerate a too-stale group from its prompt, first in line, so hard prompts are not starved
-        (at most async.max_requeues times per prompt, then it is dropped)."""
+        """Regenerate a too-stale group from its dataset row, first in line, so hard prompts are not
+        starved (at most async.max_requeues times per prompt, then it is dropped)."""
         self.counters.requeued_groups += 1
         self.requeues[g.prompt_index] = self.requeues.get(g.prompt_index, 0) + 1
         self.counters.stale_tokens_discarded += sum(s.num_tokens for s in g.samples)
         self._waste(g, "stale")
-        fresh = [Sample(prompt_index=g.prompt_index, sample_index=s.sample_index, prompt_ids=s.prompt_ids, answer=s.answer, extra=s.extra)
-                 for s in g.samples]
-        self.open_groups[g.prompt_index] = Group(prompt_index=g.prompt_index, samples=fresh)
+        self.open_groups[g.prompt_index] = self._new_group(g.prompt_index)
         self.fresh.extendleft((g.prompt_index, i) for i in reversed(range(self.n)))
 
     def _waste(self, g: Group, reason: str) -> None:
@@ -307,6 +345,7 @@ class RolloutStore:
         if version < self.version:
             raise ValueError(f"policy version went backwards: {self.version} -> {version}")
         self.version = version
+        self._retire_stale_open_groups()
 
     # -- observability ----------------------------------------------------------
     def accounting(self) -> dict[str, list[int]]:

@@ -57,6 +57,10 @@ class Sample:
     """Multi-turn: model turns whose environment step has been applied."""
     env_reward: float = 0.0
     """Multi-turn: sum of the environment's step rewards so far (the sample's reward when it ends)."""
+    turn_begin: int | None = None
+    """Multi-turn: response index where the current model turn began, recorded by every applied step
+    (an empty observation ends a turn too). None until the first step (the first turn began at 0) and in
+    samples checkpointed before it was recorded; `turn_start` then reads it from the mask."""
 
     @property
     def uid(self) -> str:
@@ -90,7 +94,10 @@ class Sample:
 
     @property
     def turn_start(self) -> int:
-        """Response index where the current model turn began: just after the last environment token."""
+        """Response index where the current model turn began: as recorded (`turn_begin`), else just
+        after the last environment token (right unless an observation was empty)."""
+        if self.turn_begin is not None:
+            return self.turn_begin
         env = np.nonzero(~self.model_mask)[0]
         return int(env[-1]) + 1 if len(env) else 0
 

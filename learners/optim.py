@@ -31,7 +31,10 @@ def make_lr_scheduler(optimizer: torch.optim.Optimizer, lc, total_steps: int) ->
     """`learner.lr_schedule` from transformers' schedules (LambdaLRs, checkpointed with the optimizer):
     constant -> `constant_with_warmup`; linear / cosine -> `warmup_stable_decay` with no stable phase,
     decaying from `lr` after the warm-up to `lr * min_lr_ratio` at `total_steps` (run.steps; a resume to a
-    larger run.steps stretches the decay from where it is). Schedule positions count optimizer steps."""
+    larger run.steps stretches the decay from where it is). Schedule positions count learner steps (rollout
+    batches, the unit of run.steps and learner.warmup_steps), not optimizer steps: the worker steps it once
+    per batch whatever learner.mini_batches is, and not for a skipped batch (verl and AReaL step theirs
+    once per training step too; TRL's Trainer counts optimizer steps)."""
     from transformers import get_scheduler
 
     if lc.lr_schedule == "constant":

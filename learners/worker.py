@@ -15,8 +15,8 @@ runs under torchrun or in a single process (world_size=1) for tests.
                                 with one mini-batch] [+ ref, no grad]
                                 loss = policy_loss(..., behaviour logprobs exactly as sampled)
                                 loss.backward()            FSDP2 reduce-scatters, SUM over ranks
-          clip grad norm -> finite?  optimizer step  else skip it (zero grads), count consecutive bad ones
-        scheduler step and version += 1 unless every mini-batch was skipped
+          clip grad norm -> finite?  optimizer step  else skip it (zero grads)
+        unless every mini-batch was skipped: scheduler step, version += 1 (else one more consecutive bad step)
 
 Every method that touches the model is collective: call it on all ranks.
 """
@@ -147,8 +147,11 @@ class LearnerWorker(WeightExport):
         per_mini = [self._update(mini, part, inject_nan) for mini, part in zip(minis, parts)]
         stepped = sum(not m.pop("_skipped") for m in per_mini)
         bad = stepped == 0
-        if not bad:
-            self.scheduler.step()  # per rollout batch: warmup_steps counts learner steps, not mini-batches
+        if bad:
+            self._count_bad_step(per_mini[-1])
+        else:
+            self.bad_steps = 0
+            self.scheduler.step()  # per rollout batch, as run.steps and learner.warmup_steps count (verl, AReaL)
             self.version += 1
         self.step += 1
         elapsed = time.perf_counter() - t0
@@ -235,18 +238,9 @@ class LearnerWorker(WeightExport):
         skipped = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
-            self.bad_steps += 1
-            if self.bad_steps >= self.cfg.learner.max_bad_steps:
-                raise RuntimeError(
-                    f"{self.bad_steps} consecutive learner steps had a non-finite loss ({total_loss}) or gradient "
-                    f"norm ({grad_norm}) and were skipped; stopping (learner.max_bad_steps="
-                    f"{self.cfg.learner.max_bad_steps}, counted per optimizer step). Check advantages/rewards "
-                    "for NaN, lower learner.lr, or raise learner.max_bad_steps"
-                )
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.bad_steps = 0
             self._check_weights_finite(total_loss, grad_norm)
         out = finalize_mismatch(merge_rank_metrics([m for g in gathered for m in g["micro"]]))
         out.update({
@@ -274,6 +268,18 @@ class LearnerWorker(WeightExport):
             f"(learner.lr={lc.lr:g}, learner.weight_decay={lc.weight_decay:g}, learner.betas={tuple(lc.betas)}); "
             "stopped before saving or broadcasting them, the last checkpoint is intact. Lower learner.lr or "
             "learner.weight_decay, then resume with run.resume=auto")
+
+    def _count_bad_step(self, last: dict[str, float]) -> None:
+        """A rollout batch none of whose optimizer steps could be taken: one more consecutive bad step
+        (counted per rollout batch, whatever learner.mini_batches is); past the limit the run stops."""
+        self.bad_steps += 1
+        if self.bad_steps >= self.cfg.learner.max_bad_steps:
+            raise RuntimeError(
+                f"{self.bad_steps} consecutive learner steps had a non-finite loss ({last['loss/total']}) or gradient "
+                f"norm ({last['train/grad_norm']}) and were skipped; stopping (learner.max_bad_steps="
+                f"{self.cfg.learner.max_bad_steps}, counted per rollout batch). Check advantages/rewards "
+                "for NaN, lower learner.lr, or raise learner.max_bad_steps"
+            )
 
     def _with_proximal(self, local: "TrainBatch") -> "TrainBatch":
         """`local` with the current (pre-update) policy's logprob of every response token: no-grad

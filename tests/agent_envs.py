@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from actors.agents.env import Step
+from async_april.environment import Environment, Reset, Step
 from async_april.tasks.reverse_turns import ReverseTurnsEnv
 
 STEP_NOTE = "not an environment: a module attribute that is no class"
@@ -190,3 +190,45 @@ async def flaky_tool_loop(ctx, row):
             answer = str(failure)
         assert answer
     return 1.0
+
+
+class QuietEnv(Environment):
+    """Says nothing after the first turn (an empty observation, done=False), one token after the second;
+    the episode ends at the third step. Every turn it is handed is recorded."""
+
+    handed: list[list[int]] = []
+
+    def reset(self, row):
+        return Reset(state={"turn": 0})
+
+    def step(self, state, turn_ids):
+        type(self).handed.append([int(t) for t in turn_ids])
+        turn = state["turn"] + 1
+        return Step(np.zeros(0, np.int64) if turn == 1 else np.array([14]), 0.0, turn == 3, {"turn": turn})
+
+
+class Ledger:
+    """A tool with a side effect that must happen once per episode step: every charge is recorded."""
+
+    charges: list[int] = []
+
+    @classmethod
+    def charge(cls, turn: int) -> str:
+        cls.charges.append(turn)
+        return f"receipt {turn}"
+
+
+async def charge_then_lookup_loop(ctx, row):
+    """Each step charges a card (Ledger), then asks the gated lookup tool for the reversed chunk: an abort
+    during the lookup must not charge the card again on resume."""
+    from async_april.rewards.reverse import reverse_match
+
+    chunks, score = row.answer.split(","), 0.0
+    for i, chunk in enumerate(chunks):
+        turn = await ctx.generate()
+        await ctx.call(Ledger.charge, i)
+        want = await ctx.call(GatedLookup.reversed_chunk, chunk)
+        score += reverse_match("", ctx.decode(turn), want) / len(chunks)
+        if i + 1 < len(chunks):
+            ctx.observe(ctx.tokenizer(chunks[i + 1] + "=", add_special_tokens=False)["input_ids"])
+    return score

@@ -178,3 +178,53 @@ def test_evaluation_runs_held_out_episodes_through_the_environment(model_dir, to
     assert max(e.turns for e in episodes) >= 2
     # Lengths are model tokens: an episode of several turns has environment tokens beside them.
     assert np.all(a.lengths <= 100) and a.lengths.max() > 24
+
+
+def test_an_abort_during_a_step_keeps_the_calls_that_step_had_finished(model_dir, tokenizer):
+    """Regression (issue 26.3): the records of the calls a step had finished lived in state that an abort
+    threw away, so the resume ran them again (a step that charges a card, then looks something up,
+    charged twice). The abort lands during the first step's lookup, after its charge: on resume the
+    lookup runs again, the charge never does, and the episode is the uninterrupted one."""
+    from tests.agent_envs import GatedLookup, Ledger
+
+    cfg = make_cfg(model_dir, "tests.agent_envs:charge_then_lookup_loop", "rollout.agent.max_turn_tokens=24",
+                   "rollout.max_new_tokens=100")
+    actor = make_actor(cfg, model_dir)
+    row = turn_rows(tokenizer, 8, seed=11)[2]
+
+    async def go():
+        await actor.start()
+        try:
+            GatedLookup.release.set()
+            ref = fresh_sample(row)
+            await actor.agent.run(ref, env_row(actor, ref))
+            ref_charges = list(Ledger.charges)
+            Ledger.charges.clear()
+            GatedLookup.runs.clear()
+            GatedLookup.release.clear()
+            GatedLookup.entered.clear()
+            got = fresh_sample(row)
+            task = asyncio.create_task(actor.agent.run(got, env_row(actor, got)))
+            await asyncio.to_thread(GatedLookup.entered.wait, 30)  # the first step's lookup runs; its charge is done
+            actor.aborting.add(got.uid)
+            actor.agent.abort([got.uid])
+            await task
+            actor.aborting.discard(got.uid)
+            assert got.finish_reason == "abort" and got.env_pending and got.turns == 0
+            GatedLookup.release.set()
+            got.num_resumes += 1
+            await actor.agent.run(got, env_row(actor, got))
+            return ref, ref_charges, got, list(Ledger.charges), list(GatedLookup.runs)
+        finally:
+            GatedLookup.release.set()
+            await actor.engine.shutdown()
+
+    Ledger.charges.clear()
+    ref, ref_charges, got, charges, runs = asyncio.run(go())
+    chunks = row.answer.split(",")
+    assert ref_charges == list(range(len(chunks))) and len(chunks) >= 3
+    assert charges == ref_charges, "a finished call of the aborted step ran again on resume"
+    assert runs == [chunks[0], *chunks]  # the lookup running at the abort ran again; the others once
+    assert got.done and got.turns == ref.turns
+    np.testing.assert_array_equal(got.response_ids, ref.response_ids)
+    assert got.env_reward == pytest.approx(ref.env_reward, abs=1e-12)

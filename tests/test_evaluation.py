@@ -169,6 +169,61 @@ def test_one_evaluation_uses_one_version_for_all_its_samples(tiny_model, tmp_pat
     assert not np.array_equal(v1[0].lengths, v2[0].lengths)
 
 
+class ExportedWeights:
+    """What the Evaluator asks of a learner, from the tiny model's own weights: a policy version and the full
+    weights as object-store buckets, exported as LearnerGroup.weight_buckets does (async_april/weight_buckets.py)."""
+
+    def __init__(self, model_path, version: int):
+        from transformers import AutoModelForCausalLM
+
+        state = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+        self.state = {k: t for k, t in state.items() if k != "lm_head.weight"}  # tied to the embedding
+        self.version = version
+
+    def weight_buckets(self, bucket_mb: float) -> list:
+        import ray
+
+        from async_april.weight_buckets import bucketize
+
+        return [ray.put(b) for b in bucketize(self.state, bucket_mb)]
+
+
+def test_a_failed_evaluation_is_counted_and_the_next_runs_on_a_new_eval_actor(ray_cluster, tiny_model):
+    """Regression (issue 26.5): Evaluator.collect did a bare ray.get, so an eval actor that died mid-evaluation
+    (the OOM killer), a raising reward or the version check raised into the run loop and ended training.
+    The failure is logged as eval/<name>/failed and counted (and survives a checkpoint), the dead actor is
+    dropped, and the next evaluation runs on a new one. ~9 s (16 s under heavy load): the new actor's
+    process start is what is tested."""
+    import ray
+
+    from async_april.evaluation import load_eval_sets
+    from async_april.launch.evaluator import Evaluator
+    from async_april.launch.resolve import load_tokenizer
+
+    one_set = [{"name": "heldout", "source": "builtin:reverse", "num_prompts": 4}]
+    cfg = config_from_dict({"eval": {**EVAL, "datasets": one_set, "every": 1, "samples": 1, "greedy": False},
+                            "rollout": {"max_new_tokens": 8}, "run": {"steps": 3}})
+    sets = load_eval_sets(cfg, load_tokenizer(Path(tiny_model), "tiny"), None)
+    ev = Evaluator.create(cfg, str(tiny_model), sets, step=0, controller_state=None)
+    learner = ExportedWeights(tiny_model, version=1)
+    try:
+        ev.submit(learner)
+        ray.kill(ev.actor)  # its process dies with the evaluation asked of it
+        out = ev.collect(wait=True)
+        assert out["eval/heldout/failed"] == 1.0 and "eval/heldout/mean_reward" not in out
+        assert ev.actor is None and ev.schedule.state()["eval/failed"] == 1
+        learner.version = 2
+        ev.submit(learner)
+        out = ev.collect(wait=True)
+        assert "eval/heldout/failed" not in out and (out["eval/heldout/version"], out["eval/heldout/prompts"]) == (2.0, 4.0)
+        assert (ev.schedule.requested, ev.schedule.completed, ev.schedule.failed, ev.schedule.skipped) == (2, 1, 1, 0)
+        resumed = EvalSchedule(every=1, steps=3, at_end=False)
+        resumed.restore(json.loads(json.dumps(ev.schedule.state())))
+        assert (resumed.failed, resumed.skipped) == (1, 0)  # a failure is not counted again as skipped
+    finally:
+        ev.stop()
+
+
 # ------------------------------------------------------------------------------------ real runs
 
 

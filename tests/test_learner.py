@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 TEMPERATURE = 0.9
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +158,48 @@ def test_nan_loss_skips_step_then_stops(model_path):
         w.train_step(bad)
         with pytest.raises(RuntimeError, match="2 consecutive learner steps.*max_bad_steps=2"):
             w.train_step(bad)
+
+
+def all_bad(batch: TrainBatch) -> TrainBatch:
+    """`batch` with every advantage NaN: each of its mini-batches has a non-finite loss."""
+    batch.advantages = np.full_like(batch.advantages, np.nan)
+    return batch
+
+
+def test_max_bad_steps_counts_rollout_batches_not_optimizer_steps(model_path):
+    """Regression (issue 26.6): learner.max_bad_steps counted skipped optimizer steps, so with
+    learner.mini_batches >= max_bad_steps one non-finite rollout batch stopped the run instead of being
+    skipped. A batch counts once (bad when none of its optimizer steps could be taken), a batch with
+    at least one step taken resets the count."""
+    good = make_batch(model_path, seed=2)
+    with local_worker(make_cfg(max_bad_steps=2, mini_batches=2), model_path) as w:
+        w.train_step(good)
+        m = w.train_step(all_bad(make_batch(model_path, seed=2)))  # two skipped optimizer steps, one bad batch
+        assert (m["train/bad_step"], m["train/consecutive_bad_steps"], m["train/optimizer_steps"], w.version) == (1.0, 1.0, 0.0, 1)
+        m = w.train_step(make_batch(model_path, seed=2, nan_advantages=True))  # one mini-batch of two is bad
+        assert (m["train/bad_step"], m["train/consecutive_bad_steps"], m["train/optimizer_steps"], w.version) == (0.0, 0.0, 1.0, 2)
+        w.train_step(all_bad(make_batch(model_path, seed=2)))
+        with pytest.raises(RuntimeError, match="2 consecutive learner steps.*max_bad_steps=2, counted per rollout batch"):
+            w.train_step(all_bad(make_batch(model_path, seed=2)))
+
+
+def test_the_lr_schedule_counts_rollout_batches_as_its_docs_say(model_path):
+    """Regression (issue 26.7): the schedule steps once per rollout batch (as run.steps counts, and as
+    verl and AReaL step theirs) while the learner.warmup_steps docstring, docs/configuration.md and
+    make_lr_scheduler said optimizer steps. With two mini-batches per batch, warm-up over 2 steps
+    reaches lr at the third batch, every mini-batch of a batch trains at that batch's lr, and a
+    skipped batch does not advance the schedule; the docs say the same."""
+    from async_april.config import LearnerConfig
+    from learners.optim import make_lr_scheduler
+
+    good = make_batch(model_path, seed=3)
+    with local_worker(make_cfg(mini_batches=2, warmup_steps=2, lr=1e-3), model_path) as w:
+        lrs = [w.train_step(b)["train/lr"] for b in (good, all_bad(make_batch(model_path, seed=3)), good, good)]
+        assert w.scheduler.last_epoch == 3 and w.version == 3
+    assert lrs == pytest.approx([0.0, 5e-4, 5e-4, 1e-3], abs=1e-12)  # constant_with_warmup: lr * step / warmup_steps
+    config_md = next(line for line in (REPO / "docs/configuration.md").read_text().splitlines() if "`learner.warmup_steps`" in line)
+    for doc in (LearnerConfig.model_fields["warmup_steps"].description, make_lr_scheduler.__doc__, config_md):
+        assert "rollout batch" in " ".join(doc.split()), doc
 
 
 def stale_batch(model_path: str, seed: int, n: int = 8) -> TrainBatch:

@@ -95,7 +95,9 @@ def sync_reference(cfg, steps):
     data = load_prompts(cfg, tok)
     reward_fn = get_reward_fn("reverse_match")
     r = cfg.rollout
-    worker = LearnerWorker(cfg, path, 0, 1, "127.0.0.1", 29731)
+    from tests.test_learner import free_port
+
+    worker = LearnerWorker(cfg, path, 0, 1, "127.0.0.1", free_port())  # a fixed port collided with other test runs
     engine = TorchEngine(path, max_running=r.concurrency, eos_token_ids=[tok.eos_token_id])
     out = []
 

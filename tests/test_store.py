@@ -234,3 +234,61 @@ def test_no_prompt_is_requeued_more_than_max_requeues():
     assert m["rollout/groups_dropped_requeue_limit"] == 2 and st.dropped == [0, 1]
     assert m["rollout/wasted_tokens/stale"] == m["rollout/wasted_tokens"] == requeued_tokens == 36
     st.check_accounting()
+
+
+def test_a_requeued_multi_turn_group_starts_again_from_the_dataset_row():
+    """Regression (issue 26.1): a stale group was regenerated from its samples' `prompt_ids`, which an
+    environment's reset (or an agent loop's ctx.observe before the first turn) had already extended;
+    the next reset extended them again, one more copy per requeue. A requeued sample is the
+    dataset row's, as new: prompt ids, answer, extra, no episode state."""
+    st = make_store(**{"async.max_staleness": 0, "rollout.over_provision": 1})
+    work = st.lease("a", 100, engine_version=0)
+    for s in work:  # what the turn loop leaves after reset: the prompt extended, the episode's state
+        s.prompt_ids = np.concatenate([s.prompt_ids, [7, 8, 9]])
+        s.env_state, s.turns, s.env_reward = {"turn": 1}, 1, 0.5
+    st.push("a", [finish(s, version=0) for s in work])
+    st.set_version(1)  # the learner moved on without these groups: stale, requeued
+    assert st.try_get_batch() is None and st.counters.requeued_groups == 2
+    again = st.lease("a", 100, engine_version=1)
+    assert {s.uid for s in again} == {s.uid for s in work}
+    for s in again:
+        want = st.dataset.row(s.prompt_index)
+        assert s.prompt_ids.tolist() == want.prompt_ids.tolist(), "the requeued prompt kept an earlier episode's extension"
+        assert (s.answer, s.extra, s.env_state, s.turns, s.env_reward, s.num_tokens) == (want.answer, want.extra, None, 0, 0.0, 0)
+    st.check_accounting()
+
+
+def test_a_group_already_past_eta_is_not_waited_for_and_is_requeued_at_once():
+    """Regression (issue 26.4): earliest-deadline-first batching waited for every started group whose
+    deadline had come, stale ones included, so B trainable groups sat ready while the batch waited
+    for a group that would be requeued the moment it completed, and its partial was resumed first.
+    Only a group due exactly now is waited for; a stale open group is requeued at once."""
+    st = make_store(**{"async.max_staleness": 1, "rollout.over_provision": 3})
+    work = st.lease("a", 6, 0)  # groups 0, 1, 2
+    g = {(s.prompt_index, s.sample_index): s for s in work}
+    st.push("a", [finish(g[0, 0], version=0), abort(g[0, 1], version=0)])  # group 0: oldest token version 0, cut
+    st.set_version(2)  # version 0 + eta 1 < 2: group 0 can no longer be trained
+    st.push("a", [finish(g[p, i], version=2) for p in (1, 2) for i in (0, 1)])
+    batch = st.try_get_batch()
+    assert batch is not None, "the batch waited for a group already past eta"
+    assert sorted(grp.prompt_index for grp in batch) == [1, 2]
+    assert st.counters.requeued_groups == 1 and not st.partials  # group 0 is regenerated, not resumed
+    nxt = st.lease("a", 2, 2)
+    assert [(s.uid, s.num_tokens, s.num_resumes) for s in nxt] == [(g[0, 0].uid, 0, 0), (g[0, 1].uid, 0, 0)]
+    assert st.counters.partial_resumed == 0 and st.metrics()["rollout/wasted_tokens/stale"] == 5
+    st.check_accounting()
+
+
+def test_a_stale_group_with_a_response_in_flight_is_requeued_when_it_returns():
+    """A stale open group whose response is still leased is not handed out further (its partial is
+    not resumed) and is requeued as soon as that response comes back; the late result is not trained."""
+    st = make_store(**{"async.max_staleness": 1, "rollout.over_provision": 3})
+    work = st.lease("a", 6, 0)
+    g = {(s.prompt_index, s.sample_index): s for s in work}
+    st.push("a", [abort(g[0, 0], version=0)])  # group 0: a partial of version 0; (0, 1) still in flight
+    st.set_version(2)
+    assert [s.uid for s in st.lease("b", 1, 2)] != [g[0, 0].uid], "a stale group's partial was resumed"
+    assert st.counters.requeued_groups == 0  # (0, 1) is still leased by "a"
+    st.push("a", [finish(g[0, 1], version=0)])
+    assert st.counters.requeued_groups == 1 and not st.partials
+    st.check_accounting()

@@ -9,6 +9,7 @@ the run record (id, rewind point `branch_point`) and the step of every history r
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,15 +46,31 @@ class OfflineRun:
     branch_run: str = ""
     branch_step: float | None = None
     steps: list[int] = field(default_factory=list)
+    exited: bool = False
+    """The run's `exit` record (its last) is in the file."""
 
 
-def read_offline_run(run_dir: Path) -> OfflineRun:
+def read_offline_run(run_dir: Path, timeout_s: float = 120.0) -> OfflineRun:
+    """The run as recorded, once W&B has written its `exit` record: W&B's core process writes the file
+    on its own, and `run.finish()` can return before the last block is on disk (under load a run read
+    at once had its run record and none of its history rows). `timeout_s` is a failsafe only."""
+    deadline = time.monotonic() + timeout_s
+    while not (out := _read_once(run_dir)).exited and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert out.exited, f"W&B never finished writing {run_dir} (no exit record after {timeout_s:g}s)"
+    return out
+
+
+def _read_once(run_dir: Path) -> OfflineRun:
     from wandb.proto import wandb_internal_pb2 as pb
 
     out = OfflineRun()
     for data in _records(next(Path(run_dir).glob("*.wandb"))):
         rec = pb.Record()
-        rec.ParseFromString(data)
+        try:
+            rec.ParseFromString(data)
+        except Exception:  # noqa: BLE001 - a record cut by a write still in progress: read again later
+            break
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out.run_id = rec.run.run_id
@@ -61,4 +78,6 @@ def read_offline_run(run_dir: Path) -> OfflineRun:
                 out.branch_run, out.branch_step = rec.run.branch_point.run, rec.run.branch_point.value
         elif kind == "history":
             out.steps.append(int(rec.history.step.num))
+        elif kind == "exit":
+            out.exited = True
     return out

@@ -30,15 +30,18 @@ So the episode's whole state is plain data in the sample (the row, the
 turns, the call results), and an episode aborted anywhere (an early stop, a
 weight update, a checkpoint, another actor) resumes exactly as an
 environment's does: a call that was running when the abort came is run
-again, the finished ones are not. The price: the loop must be deterministic
-given the row, its turns and its call results (use `row.seed` for any
-randomness); a replay that diverges from its record raises, and the step
-fails with a message that says so.
+again, the finished ones are not, those of the step the abort cut included
+(each is reported to the runner as it finishes, through the step's
+`progress`). The price: the loop must be deterministic given the row, its
+turns and its call results (use `row.seed` for any randomness); a replay
+that diverges from its record raises, and the step fails with a message
+that says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 from typing import Any, Callable
 
@@ -64,7 +67,8 @@ class LoopDiverged(RuntimeError):
 class AgentContext:
     """What an agent loop drives its episode with (see the module docstring)."""
 
-    def __init__(self, row: EnvRow, turns: list[list[int]], calls: list[list], tokenizer: Any, args: dict[str, Any]):
+    def __init__(self, row: EnvRow, turns: list[list[int]], calls: list[list], tokenizer: Any, args: dict[str, Any],
+                 on_record: Callable[[list[list]], None] | None = None):
         self.row = row
         self.tokenizer = tokenizer
         self.args = args
@@ -72,6 +76,8 @@ class AgentContext:
         self._turns = turns
         self.calls = calls
         """[function name, result, error or None] of every call so far, this replay's new ones appended."""
+        self._on_record = on_record
+        """Told the calls so far each time a new one is recorded (see AgentLoopEnv.step's `progress`)."""
         self._next_turn = 0
         self._next_call = 0
         self.prompt_extra: list[int] = []
@@ -110,15 +116,20 @@ class AgentContext:
             error = (f"{name} timed out after {timeout_s:g}s" if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
                      else f"{name} called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
                      else f"{name} raised {type(exc).__name__}: {exc}")
-            self.calls.append([name, None, error])
+            self._record([name, None, error])
             raise ToolFailed(error) from None
         where = _not_plain(result)
         if where is not None:
             raise TypeError(f"agent loop: ctx.call({name}) returned {where}; a call's result is kept in the sample "
                             "and its checkpoints, so return plain data (None, bool, int, float, str, lists, dicts, "
                             "numpy arrays)")
-        self.calls.append([name, result, None])
+        self._record([name, result, None])
         return result
+
+    def _record(self, call: list) -> None:
+        self.calls.append(call)
+        if self._on_record is not None:
+            self._on_record(self.calls)
 
     def observe(self, ids) -> None:
         """Append token ids the model will see (loss mask 0). Before the first turn they extend the prompt."""
@@ -159,9 +170,14 @@ class AgentLoopEnv:
         prompt = None if not ctx.prompt_extra else np.asarray(state["row"]["prompt_ids"] + ctx.prompt_extra, np.int64)
         return Reset(state=state, prompt_ids=prompt)
 
-    def step(self, state: dict, turn_ids: np.ndarray) -> Step:
+    def step(self, state: dict, turn_ids: np.ndarray, progress: Callable[[dict], None] | None = None) -> Step:
+        """Replay the loop with this turn appended, up to its next `ctx.generate()` (or its return).
+        Each call it finishes is reported to `progress` as the state this step restarts from if it
+        is aborted: the same turns, that call recorded (so a resume never runs it again)."""
+        before = state
+        on_record = None if progress is None else (lambda calls: progress({**before, "calls": copy.deepcopy(calls)}))
         state = {**state, "turns": [*state["turns"], [int(t) for t in turn_ids]], "calls": [list(c) for c in state["calls"]]}
-        ctx, finished = self._replay(state)
+        ctx, finished = self._replay(state, on_record)
         new = len(state["turns"]) - 1
         if ctx.prompt_extra != state["prompt_extra"]:
             raise LoopDiverged("agent loop replay: the ids observed before the first turn differ from the ones recorded; "
@@ -174,13 +190,13 @@ class AgentLoopEnv:
         reward = ctx.rewards[new] + (float(finished[0]) if finished and finished[0] is not None else 0.0)
         return Step(np.asarray(ctx.observations[new], np.int64), reward, bool(finished), state)
 
-    def _replay(self, state: dict) -> tuple[AgentContext, tuple | None]:
+    def _replay(self, state: dict, on_record: Callable[[list[list]], None] | None = None) -> tuple[AgentContext, tuple | None]:
         """Run the loop from the start over the recorded turns; (ctx, (returned value,)) if it returned,
         (ctx, None) if it asked for the next turn."""
         r = state["row"]
         row = EnvRow(prompt=r["prompt"], prompt_ids=np.asarray(r["prompt_ids"], np.int64), answer=r["answer"],
                      extra=dict(r["extra"]), seed=int(r["seed"]))
-        ctx = AgentContext(row, state["turns"], state["calls"], self.tokenizer, self.env_args)
+        ctx = AgentContext(row, state["turns"], state["calls"], self.tokenizer, self.env_args, on_record)
 
         async def go():
             try:

@@ -24,8 +24,11 @@ version the engine recorded; environment tokens are masked out of training.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import threading
 import time
 from collections import Counter
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -41,6 +44,29 @@ class StepAborted(Exception):
     """An abort arrived while an environment step was waiting or running."""
 
 
+class StepProgress:
+    """Handed to an environment step that takes `progress=` (an agent loop does): the step calls it,
+    from its thread, with the state a resume must restart the step from once a side effect is done
+    (a finished tool call recorded). An abort keeps the latest such state; reports that arrive after
+    the runner gave up on the step are ignored."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: dict | None = None
+        self._closed = False
+
+    def __call__(self, state: dict) -> None:
+        with self._lock:
+            if not self._closed:
+                self._state = state
+
+    def close(self) -> dict | None:
+        """The latest state reported (None: none); later reports are ignored."""
+        with self._lock:
+            self._closed = True
+            return self._state
+
+
 class AgentRunner:
     """Runs samples through `env` on `engine`; one per generation actor.
 
@@ -54,6 +80,7 @@ class AgentRunner:
         self.aborting = aborting
         self.slots = asyncio.Semaphore(self.agent.step_concurrency)
         self.abort_events: dict[str, asyncio.Event] = {}
+        self.step_takes_progress = "progress" in inspect.signature(env.step).parameters
         self.counters: Counter = Counter()
         """Cumulative: steps, step_timeouts, step_failures, step_s (`agent/*` metrics)."""
 
@@ -121,6 +148,7 @@ class AgentRunner:
         obs = np.asarray(step.observation_ids, np.int64).reshape(-1)
         room = r.max_new_tokens - sample.num_tokens
         sample.observe(obs[:room])
+        sample.turn_begin = sample.num_tokens  # recorded: an empty observation leaves no token to find it by
         if sample.turns >= a.max_turns or len(obs) >= room:
             sample.finish_reason = "length"  # out of turns, or no room left for the model to answer
             return True
@@ -133,8 +161,10 @@ class AgentRunner:
         state = dict(sample.env_state or {})
         t0 = time.perf_counter()
         error = None
+        progress = StepProgress()
+        call = partial(self.env.step, progress=progress) if self.step_takes_progress else self.env.step
         try:
-            step = await self._off_loop(sample, self.env.step, state, turn, timeout=a.step_timeout_s)
+            step = await self._off_loop(sample, call, state, turn, timeout=a.step_timeout_s)
             obs = np.asarray(step.observation_ids).reshape(-1)
             if len(obs) > a.max_observation_tokens:
                 raise ValueError(f"observation of {len(obs)} tokens is over rollout.agent.max_observation_tokens="
@@ -143,6 +173,9 @@ class AgentRunner:
             self.counters["step_timeouts"] += 1
             error = f"timed out after {a.step_timeout_s:g}s"
         except StepAborted:
+            kept = progress.close()  # what the step had done before the abort is not done again
+            if kept is not None:
+                sample.env_state = kept
             raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
             # SystemExit too: an environment calling sys.exit() would otherwise end the generation actor.

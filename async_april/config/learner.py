@@ -131,7 +131,7 @@ class LearnerConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate after warm-up: constant, or decaying linearly or along a half cosine to `lr * min_lr_ratio` at `run.steps` (transformers' `constant_with_warmup` and `warmup_stable_decay` schedules; learners/optim.py)."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up to `lr` over this many optimizer steps, as transformers does it: from 0 with the constant schedule (the first step then has lr 0), from `lr * min_lr_ratio` with linear / cosine."""
+    """Linear warm-up to `lr` over this many learner steps (rollout batches, as `run.steps` counts them, not optimizer steps: every mini-batch of a step trains at that step's lr, and a skipped step does not advance the schedule), as transformers does it: from 0 with the constant schedule (the first step then has lr 0), from `lr * min_lr_ratio` with linear / cosine."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """linear / cosine: the learning rate at the last step, as a fraction of `lr`."""
     grad_clip: float = Field(1.0, gt=0.0)
@@ -143,7 +143,7 @@ class LearnerConfig(Section):
     consecutive parts, each normalised on its own. With decoupled correction and more than one, the
     proximal policy is a no-grad forward of the pre-update weights (docs/learner.md)."""
     max_bad_steps: int = Field(3, ge=1)
-    """Consecutive steps with NaN/inf loss or gradient (each skipped) before the run stops."""
+    """Consecutive learner steps (rollout batches, whatever `mini_batches` is) with a NaN/inf loss or gradient in every optimizer step (each skipped) before the run stops."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False

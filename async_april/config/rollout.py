@@ -177,8 +177,9 @@ class AsyncConfig(Section):
     auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
     """Bounds and budget of `max_staleness: auto` and `rollout.over_provision: auto` (ignored otherwise)."""
     stale_policy: Literal["requeue", "drop"] = "requeue"
-    """A group that still exceeds eta when batched (rare: batches are chosen earliest deadline first):
-    regenerate it from its prompt (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""
+    """A group whose oldest token is past eta (rare: batches are chosen earliest deadline first), complete
+    or still generating (then at once, as soon as none of its responses is in flight): regenerate it from
+    its dataset row (requeue) or drop it; both counted in rollout/wasted_tokens/stale."""
     max_requeues: int = Field(2, ge=0, le=1000)
     """Times one prompt may be regenerated for staleness; past it the group is dropped (counted in
     rollout/groups_dropped_requeue_limit), so a prompt whose responses always outlast eta cannot loop."""

@@ -6,12 +6,15 @@ flow); the actor that samples and scores: actors/evaluation.py.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from async_april.config import Config
 from async_april.evaluation import EvalSchedule, EvalSet, summarize
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,13 +84,32 @@ class Evaluator:
         ready, _ = ray.wait([self.pending], timeout=None if wait else 0)
         if not ready:
             return {}
-        sets, self.pending = ray.get(self.pending), None
+        pending, self.pending = self.pending, None
+        try:
+            sets = ray.get(pending)
+        except Exception as e:  # noqa: BLE001 - whatever failed (actor death, OOM kill, reward, version check) is the evaluation's
+            return self._failed(e)
         self.schedule.completed += 1
         out = {"timing_s/eval": time.perf_counter() - self.started_at}
         for r in sets:
             out.update(summarize(r, self.cfg.eval.k, self.cfg.eval.correct_threshold))
         self.results.append(out)
         return out
+
+    def _failed(self, error: BaseException) -> dict[str, float]:
+        """Training never dies with evaluation: count the failure, say why in one line, and drop the actor
+        (dead, or holding an engine in an unknown state); the next evaluation starts a new one."""
+        import ray
+
+        self.schedule.failed += 1
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        log.warning("evaluation of version %d failed (%s: %s); training goes on, the next evaluation gets a new "
+                    "eval actor", self.pending_version, type(error).__name__, reason[:300])
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)
+            self.actor = None
+        return {"timing_s/eval": time.perf_counter() - self.started_at,
+                **{f"eval/{s.name}/failed": 1.0 for s in self.sets}}
 
     def after_step(self, step: int, learner) -> dict[str, float]:
         """Called once per step once the new weights are out; never waits: the results that have arrived,
