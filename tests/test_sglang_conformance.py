@@ -10,6 +10,7 @@ session, flush, pause, abort, readiness and version-span rules (each cites its S
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -53,6 +54,24 @@ def repo_on_pythonpath():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return str(make_test_model_dir(tmp_path_factory.getbasetemp() / "tiny-conformance-model"))
+
+
+@pytest.fixture(scope="module")
+def continue_standin(model_dir):
+    """The stand-in as the client launches it for rollout.on_weight_update=continue (its flags parsed from
+    the client's own launch command), served in this process so that tests read its state."""
+    from actors.engines import make_engine
+    from tests.sglang_standin import server_from_command
+
+    cmd = make_engine(load_config(None, ["rollout.engine=sglang", "rollout.on_weight_update=continue"]),
+                      model_dir).launch_command(0)
+    srv = server_from_command(cmd, max_running=64)
+    srv.start()
+    t0 = time.monotonic()
+    while not srv.state.ready and time.monotonic() - t0 < 60:  # its model loaded before a test loads ours
+        time.sleep(0.05)
+    yield srv
+    srv.stop()
 
 
 def req(rid: str, max_new: int, seed: int = 0) -> GenerateRequest:
@@ -154,13 +173,14 @@ def test_1_distributed_update_gets_past_the_session_check_to_nccl(standin):
 
 
 @pytest.mark.parametrize("policy", ["drain", "continue"])
-def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp_path, policy):
+def test_1_disk_weight_sync_through_the_generation_actor(request, model_dir, tmp_path, policy):
     """The disk transport: learner-side files (DiskBucketWriter), the actor hands the directory to
     /update_weights_from_disk, which the server reads itself; with continue, paused in place and
     without a flush (test_12)."""
     from actors.generation import GenerationActor
     from learners.weight_sync import DiskBucketWriter
 
+    standin = request.getfixturevalue("continue_standin" if policy == "continue" else "standin")
     w = DiskBucketWriter(tmp_path / "weights", version=5)
     for b in halves(perturbed(model_dir)):
         w.add(b)
@@ -486,11 +506,16 @@ def test_11_generation_stops_on_the_models_whole_eos_set(model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------- 12. in-flight updates (issue 16)
-def test_12_continue_pauses_in_place_keeps_the_kv_cache_and_tags_tokens_at_the_load(standin, model_dir):
+def test_12_continue_pauses_in_place_keeps_the_kv_cache_and_tags_tokens_at_the_load(continue_standin, model_dir):
     """rollout.on_weight_update=continue over HTTP: the client pauses in place, loads every bucket with
     flush_cache=false and continues. The request decoding across the load is not aborted, the server
     re-prefills nothing, its versions switch once, at the load, and every logprob is the forward over the
-    mixed cache (KV of the old weights before the load, the new weights' after)."""
+    mixed cache (KV of the old weights before the load, the new weights' after).
+
+    Issue 26 item 9: the server is the one the client launches for continue. On the client as it was
+    (no --disable-overlap-schedule), the overlap scheduler tagged the last old-weights token new and
+    the replayed logprobs split one token later than the tags said: this test failed."""
+    standin = continue_standin
     from tests.test_torch_engine import mixed_cache_logprobs, teacher_forced
 
     w = {}
@@ -569,3 +594,120 @@ def test_12_a_flush_while_paused_in_place_with_a_request_running_is_refused(stan
     assert [s for s, _ in steps] == [200, 200, 200, 200]
     assert status == 400 and FLUSH_REFUSED_MSG in text
     assert res.finish_reason == "length" and len(res.output_ids) == 200  # the running request went on
+
+
+# ---------------------------------------------------------------------- issue 26: SGLang 0.5.23's in-flight path
+def test_26_9_10_continue_refuses_a_server_with_the_overlap_scheduler_or_the_radix_cache(standin, model_dir):
+    """A server given by rollout.sglang.url runs as its owner started it: with continue, one that keeps the
+    overlap scheduler or the radix cache (0.5.23's defaults, as the `standin` fixture) is refused at start,
+    naming the flags, and an in-flight load on it is refused too. The client as it was used it silently."""
+    from actors.engines import make_engine
+
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.url={standin.url}", "rollout.on_weight_update=continue"])
+
+    async def main():
+        with pytest.raises(SGLangError, match="--disable-overlap-schedule --disable-radix-cache"):
+            await make_engine(cfg, model_dir).start()
+        eng = client(standin.url)  # not asked for continue: starts, but an in-flight load is refused
+        await eng.start()
+        try:
+            mark = len(standin.state.control)
+            with pytest.raises(SGLangError, match="rollout.on_weight_update=interrupt or drain"):
+                await eng.update_weights_in_flight(halves(original(model_dir)), version=1)
+            return standin.state.control[mark:]
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main()) == []  # refused before the server was touched
+
+
+def test_26_9_the_standin_records_version_changes_like_the_overlap_scheduler():
+    """tests/sglang_rules.py reported_spans, what the stand-in replies with: a lagged change (overlap,
+    paused in place) is counted one token short, and a request with one token (its prefill result not
+    yet processed) gets no span at all; without the lag the spans are the truth."""
+    from tests.sglang_rules import reported_spans
+
+    def spans(v, lagged):
+        return [(s["version"], s["start"], s["end"]) for s in reported_spans(np.asarray(v), lagged)]
+
+    assert spans([3, 3, 3, 4, 4], {4}) == [("3", 0, 2), ("4", 2, 5)]
+    assert spans([3, 3, 3, 4, 4], set()) == [("3", 0, 3), ("4", 3, 5)]
+    assert spans([3, 4, 4, 4], {4}) == [("4", 0, 4)]  # prompt KV and first token from 3, all tagged 4
+    assert spans([3, 3, 4, 5, 5], {4, 5}) == [("3", 0, 1), ("4", 1, 2), ("5", 2, 5)]
+
+
+def prefix_kv_logprobs(model_dir: str, w: dict, prompt: np.ndarray, out_ids: np.ndarray, n: int) -> np.ndarray:
+    """Replay of a request whose first `n` prompt tokens came from a prefix cache filled by weights w[0],
+    the rest fed through w[1]."""
+    from tests.test_torch_engine import _model
+
+    from transformers import DynamicCache
+
+    m0, m1 = _model(model_dir, w[0]), _model(model_dir, w[1])
+    seq = torch.as_tensor(np.concatenate([prompt, out_ids]), dtype=torch.long)[None]
+    cache = DynamicCache(config=m0.config)
+    kw = "cache" if "cache" in inspect.signature(m0.forward).parameters else "past_key_values"  # renamed in 5.x
+    with torch.no_grad():
+        m0(seq[:, :n], use_cache=True, **{kw: cache})
+        logits = m1(seq[:, n:-1], use_cache=True, **{kw: cache}).logits[0]
+    lp = torch.log_softmax(logits.float(), -1)[len(prompt) - 1 - n:]
+    return lp.gather(-1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+def test_26_10_the_standins_radix_cache_serves_old_prefix_kv_until_a_flush(model_dir):
+    """The stand-in's engine (tests/sglang_standin_engine.py), as 0.5.23's radix cache: a prompt seen
+    before the in-flight load reuses its KV (all but its last token) from the old weights; after a flush
+    the same prompt is computed by the new weights."""
+    from tests.sglang_standin_engine import StandinEngine
+    from tests.test_torch_engine import teacher_forced
+
+    w = {0: original(model_dir), 1: perturbed(model_dir)}
+    w[1]["lm_head.weight"] = w[1]["model.embed_tokens.weight"]
+
+    async def main():
+        eng = StandinEngine(model_dir, eos_token_ids=())
+        await eng.start()
+        try:
+            await eng.generate(req("a#", 4, seed=1))
+            await eng.update_weights_in_flight([w[1]], version=1)
+            stale = await eng.generate(req("b#", 12, seed=2))
+            hit = eng.cached.pop("b#")
+            eng.flush_prefix_cache()
+            fresh = await eng.generate(req("c#", 12, seed=2))
+            return stale, hit, fresh, eng.cached
+        finally:
+            await eng.shutdown()
+
+    stale, hit, fresh, left = asyncio.run(main())
+    n = len(PROMPT) - 1
+    assert hit == (n, 0) and "c#" not in left
+    np.testing.assert_allclose(stale.logprobs, prefix_kv_logprobs(model_dir, w, PROMPT, stale.output_ids, n), atol=1e-4)
+    np.testing.assert_allclose(fresh.logprobs, teacher_forced(model_dir, w[1], PROMPT, fresh.output_ids), atol=1e-4)
+    assert np.abs(stale.logprobs - teacher_forced(model_dir, w[1], PROMPT, stale.output_ids)).max() > 1e-2
+
+
+def test_26_10_after_an_in_flight_load_a_shared_prompt_is_computed_by_the_new_weights(continue_standin, model_dir):
+    """A prompt sampled before an in-flight load (a group's first sample, a chat template) and again after
+    it: the second request's tokens are tagged new, so its prompt KV must be the new weights' too. On
+    the server the client launched as it was (radix cache on), that prefix KV was version 0's: this failed."""
+    from tests.test_torch_engine import teacher_forced
+
+    w = {0: original(model_dir), 1: perturbed(model_dir)}
+    w[1]["lm_head.weight"] = w[1]["model.embed_tokens.weight"]
+
+    async def main():
+        eng = client(continue_standin.url)
+        await eng.start()
+        try:
+            await eng.update_weights(halves(w[0]), version=40)
+            await eng.generate(req("g-0#", 6, seed=1))
+            await eng.update_weights_in_flight(halves(w[1]), version=41)
+            later = await eng.generate(req("g-1#", 12, seed=2))
+            await eng.update_weights(halves(w[0]), version=42)
+            return later
+        finally:
+            await eng.shutdown()
+
+    later = asyncio.run(main())
+    assert set(later.versions.tolist()) == {41}
+    np.testing.assert_allclose(later.logprobs, teacher_forced(model_dir, w[1], PROMPT, later.output_ids), atol=1e-4)
