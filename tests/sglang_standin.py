@@ -69,6 +69,7 @@ import asyncio
 import base64
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +125,9 @@ class StandinState:
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.session = False
+        self.hold_sessions = threading.Event()
+        """Tests clear it to hold /begin_weight_update open (a slow load): only timing, never the protocol."""
+        self.hold_sessions.set()
         self.weight_version = str(engine.version)
         self.requests: list[dict] = []
         """Every /generate body received (tests read what the client sent)."""
@@ -246,6 +250,7 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         if state.session:
             return error(400, "a weight-update session is already open; call end_weight_update() first")
         state.session = True
+        await asyncio.to_thread(state.hold_sessions.wait)
         return web.json_response({"success": True, "message": "Success"})
 
     async def end(_):
@@ -391,6 +396,16 @@ class StandinServer:
         if not self._ready.wait(timeout_s) or self._error:
             raise RuntimeError(f"stand-in server did not start: {self._error!r}")
         return self.url
+
+    def wait_ready(self, timeout_s: float = 60.0) -> "StandinServer":
+        """Until /health would answer 200. Loading a model in this process meanwhile is not safe: while
+        transformers builds one on the meta device, another thread's from_pretrained breaks."""
+        t0 = time.monotonic()
+        while not self._state.ready and time.monotonic() - t0 < timeout_s:
+            if self._error is not None:
+                raise RuntimeError(f"stand-in server failed: {self._error!r}")
+            time.sleep(0.05)
+        return self
 
     def _main(self) -> None:
         self.loop = asyncio.new_event_loop()

@@ -67,10 +67,7 @@ def continue_standin(model_dir):
                       model_dir).launch_command(0)
     srv = server_from_command(cmd, max_running=64)
     srv.start()
-    t0 = time.monotonic()
-    while not srv.state.ready and time.monotonic() - t0 < 60:  # its model loaded before a test loads ours
-        time.sleep(0.05)
-    yield srv
+    yield srv.wait_ready()
     srv.stop()
 
 
@@ -711,3 +708,217 @@ def test_26_10_after_an_in_flight_load_a_shared_prompt_is_computed_by_the_new_we
     later = asyncio.run(main())
     assert set(later.versions.tolist()) == {41}
     np.testing.assert_allclose(later.logprobs, teacher_forced(model_dir, w[1], PROMPT, later.output_ids), atol=1e-4)
+
+
+def test_26_11_top_k_0_is_refused_by_the_config_and_verify_s_ranges_by_the_server(standin):
+    """0.5.23 answers top_k=0 with 400 on every request (sampling_params.py SamplingParams.verify), so the
+    config refuses it (it passed before); the stand-in applies verify's ranges with SGLang's messages."""
+    with pytest.raises(ConfigError, match="rollout.top_k=0 is not a setting: use rollout.top_k=-1"):
+        load_config(None, ["rollout.top_k=0", "algorithm.weight_bound=none"])
+    assert load_config(None, ["rollout.top_k=5", "algorithm.weight_bound=none"]).rollout.top_k == 5
+
+    def body(**sp):
+        return {"input_ids": PROMPT.tolist(), "sampling_params": {"max_new_tokens": 2, **sp}, "return_logprob": True}
+
+    standin.wait_ready()
+    async def main():
+        return [await raw_post(standin.url, "/generate", body(**sp)) for sp in (
+            {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -0.5}, {"min_p": 1.5},
+            {"repetition_penalty": 0.0}, {"top_k": -1}, {"top_k": 3, "top_p": 0.9}, {"temperature": 0.0})]
+
+    out = asyncio.run(main())
+    assert [s for s, _ in out] == [400] * 6 + [200] * 3
+    assert "top_k must be -1 (disable) or at least 1, got 0." in out[0][1]
+    assert "top_p must be in (0, 1], got 1.5." in out[2][1] and "temperature must be a non-negative" in out[3][1]
+
+
+def test_26_13_near_the_context_limit_the_client_caps_max_new_tokens_as_the_server_would(model_dir):
+    """A context of 64 tokens: 0.5.23 refuses input + max_new_tokens > 64 and input >= 58 (tokenizer_manager.py
+    _validate_one_request, managers/utils.py validate_input_length) and caps max_new_tokens at 64 - input - 2
+    (scheduler.py init_req_max_new_tokens); the stand-in does the same. The client reads the limits from
+    /server_info: it asks for what the server will run, ends a resume with no room left as `length` without a
+    request, and names the setting for a prompt that cannot fit. The client as it was sent 40 + 30 tokens
+    and got a 400 (this test failed there)."""
+    srv = StandinServer(model_dir, context_length=64, max_running=8)
+    srv.start()
+    srv.wait_ready()
+
+    def body(n: int, max_new: int) -> dict:
+        return {"input_ids": [5] * n, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+                "return_logprob": True}
+
+    async def main():
+        raw = [await raw_post(srv.url, "/generate", body(n, m)) for n, m in ((40, 30), (40, 24), (58, 2), (64, 1))]
+        eng = client(srv.url)
+        await eng.start()
+        try:
+            capped = await eng.generate(GenerateRequest("n-0#", np.full(40, 5, np.int64), SamplingParams(30, seed=1)))
+            sent = len(srv.state.requests)
+            full = await eng.generate(GenerateRequest("n-1#", np.full(59, 5, np.int64), SamplingParams(30, seed=1),
+                                                      prompt_len=10))  # a resume that has reached the context
+            unsent = len(srv.state.requests) - sent
+            with pytest.raises(SGLangError, match="lower data.max_prompt_len below 58"):
+                await eng.generate(GenerateRequest("n-2#", np.full(59, 5, np.int64), SamplingParams(30, seed=1)))
+            return raw, capped, full, unsent
+        finally:
+            await eng.shutdown()
+
+    try:
+        raw, capped, full, unsent = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert [s for s, _ in raw] == [400, 200, 400, 400]
+    assert "exceeds the model's maximum context length of 64 tokens" in raw[0][1]
+    assert len(json.loads(raw[1][1])["output_ids"]) == 22  # 64 - 40 - 2
+    assert "maximum allowed length (58 tokens)" in raw[2][1] and "longer than the model's context length" in raw[3][1]
+    assert capped.finish_reason == "length" and len(capped.output_ids) == 22
+    assert full.finish_reason == "length" and len(full.output_ids) == 0 and unsent == 0
+
+
+def test_26_12_the_weight_group_is_destroyed_on_shutdown_and_before_init(standin):
+    """A server at rollout.sglang.url outlives a run: the next run (or a restarted actor) joins a group of
+    the same name, which torch refuses until it is destroyed (distributed_c10d.py; the stand-in refuses
+    it the same way). The client as it was never destroyed it: the second init was a 400."""
+    args = ("127.0.0.1", 29999, 1, 2)
+    standin.wait_ready()
+
+    async def main():
+        init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        raw = [await raw_post(standin.url, "/init_weights_update_group", {**init, "group_name": "g26"}) for _ in (0, 1)]
+        first, second = client(standin.url), client(standin.url)
+        await first.start()
+        await second.start()
+        await first.init_weights_update_group(*args)
+        await first.shutdown()  # a run that ends: its group goes with it
+        after_shutdown = set(standin.state.groups)
+        # a run that died holding the group (what its init left on the server) ...
+        await raw_post(standin.url, "/init_weights_update_group", {**init, "group_name": second.group_name})
+        await second.init_weights_update_group(*args)  # ... and the next run still joins
+        await second.shutdown()
+        return raw, after_shutdown, set(standin.state.groups)
+
+    (first_raw, again), after_shutdown, left = asyncio.run(main())
+    assert first_raw[0] == 200 and again[0] == 400 and "has already been created" in again[1]  # as torch refuses
+    assert "async_april_weights" not in after_shutdown and "async_april_weights" not in left
+
+
+def test_26_14_an_abort_during_an_in_flight_load_returns_after_continue_and_reaches_requests_sent_meanwhile(
+        continue_standin, model_dir):
+    """Paused in place, 0.5.23 only marks running requests aborted: they come back after
+    /continue_generation (scheduler.py abort_request, to_finish), and a request that arrived during the
+    pause waits at the tokenizer's gate, where no abort reaches it. So the client holds its own new
+    requests while it updates and answers them as aborted when an abort comes. The client as it was sent
+    the new request to the server's gate, and it ran to its end after the abort (this test failed)."""
+    st = continue_standin.state
+
+    async def main():
+        eng = client(continue_standin.url)
+        await eng.start()
+        try:
+            running = asyncio.create_task(eng.generate(req("h-0#", 300, seed=4)))
+            t0 = continue_standin.engine.stats().generated_tokens
+            while continue_standin.engine.stats().generated_tokens < t0 + 10:
+                await asyncio.sleep(0.005)
+            st.hold_sessions.clear()  # the load takes its time: /begin_weight_update answers when released
+            update = asyncio.create_task(eng.update_weights_in_flight(halves(original(model_dir)), version=50))
+            while st.paused != "in_place":
+                await asyncio.sleep(0.005)
+            meanwhile = asyncio.create_task(eng.generate(req("h-1#", 8, seed=5)))
+            aborts = sum(p == "/abort_request" for p, _ in st.control)
+            abort = asyncio.create_task(eng.abort_all())
+            while sum(p == "/abort_request" for p, _ in st.control) == aborts:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            held = not running.done() and not abort.done()
+            st.hold_sessions.set()
+            await update
+            await abort
+            return held, await running, await meanwhile
+        finally:
+            st.hold_sessions.set()
+            await eng.shutdown()
+
+    held, running, meanwhile = asyncio.run(main())
+    assert held  # nothing came back while paused in place
+    assert running.finish_reason == "abort" and 10 <= len(running.output_ids) < 300
+    assert meanwhile.finish_reason == "abort" and len(meanwhile.output_ids) == 0
+    assert not any(b.get("rid", "").startswith("h-1#") for b in st.requests)  # never sent
+
+
+def test_26_14_a_failed_load_leaves_mixed_weights_and_the_client_stops_until_a_full_load(standin, model_dir):
+    """0.5.23 loads each bucket when it arrives and rolls nothing back (weight_updater.py): a load that
+    fails at bucket 2 leaves bucket 1 applied. The client then refuses to generate (the weights are no
+    version) until a full set is loaded. The client as it was sampled on, tagging the mixed weights
+    with the old version (this test failed)."""
+    from tests.test_torch_engine import teacher_forced
+
+    w1 = halves(perturbed(model_dir))
+    bad = [w1[0], {**w1[1], "model.no_such_weight": torch.zeros(1)}]
+    probe = np.array([3, 9, 9, 4, 11, 12], np.int64)
+
+    async def main():
+        eng = client(standin.url)
+        await eng.start()
+        try:
+            with pytest.raises(SGLangError, match="is not a parameter"):
+                await eng.update_weights(bad, version=60)
+            with pytest.raises(SGLangError, match="weights are a mix of versions"):
+                await eng.generate(req("m-0#", 4))
+            await raw_post(standin.url, "/flush_cache", {})
+            status, text = await raw_post(standin.url, "/generate", {
+                "input_ids": probe.tolist(), "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 1}})
+            await eng.update_weights(halves(original(model_dir)), version=61)
+            return json.loads(text), await eng.generate(req("m-1#", 4))
+        finally:
+            await eng.shutdown()
+
+    mixed_reply, after = asyncio.run(main())
+    out = np.asarray(mixed_reply["output_ids"])
+    lps = np.asarray([lp for lp, *_ in mixed_reply["meta_info"]["output_token_logprobs"]])
+    mixed = {**original(model_dir), **w1[0]}
+    np.testing.assert_allclose(lps, teacher_forced(model_dir, mixed, probe, out), atol=1e-4)  # bucket 1 only
+    assert set(after.versions.tolist()) == {61}
+
+
+def test_26_14_the_standin_pauses_aborts_and_validates_as_0_5_23(standin, model_dir):
+    """Stand-in rules (no client involved): a pause with mode=abort aborts what runs and stays paused
+    until /continue_generation (tokenizer_manager.py pause_generation); a str field given an int is 400
+    (io_struct.py, http_server.py validation_exception_handler); a payload naming a global outside
+    SGLang's allow-list is refused (utils/common.py SafeUnpickler)."""
+    import base64
+    import os
+    import pickle
+
+    class Unsafe:
+        def __reduce__(self):
+            return os.getpid, ()
+
+    standin.wait_ready()
+
+    def gen(rid: str, n: int) -> dict:
+        return {"input_ids": PROMPT.tolist(), "rid": rid, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+
+    async def main():
+        long = asyncio.create_task(raw_post(standin.url, "/generate", gen("p-0#", 400)))
+        while "p-0#" not in standin.state.live:
+            await asyncio.sleep(0.005)
+        await raw_post(standin.url, "/pause_generation", {"mode": "abort"})
+        aborted = json.loads((await long)[1])["meta_info"]["finish_reason"]["type"]
+        late = asyncio.create_task(raw_post(standin.url, "/generate", gen("p-1#", 3)))
+        await asyncio.sleep(0.3)
+        held = not late.done()
+        await raw_post(standin.url, "/continue_generation", {})
+        late_status = (await late)[0]
+        int_version = await raw_post(standin.url, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": 3})
+        await raw_post(standin.url, "/begin_weight_update", {})
+        payload = base64.b64encode(pickle.dumps([("x", Unsafe())])).decode()
+        unsafe = await raw_post(standin.url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+        await raw_post(standin.url, "/end_weight_update", {})
+        return aborted, held, late_status, int_version, unsafe
+
+    aborted, held, late_status, int_version, unsafe = asyncio.run(main())
+    assert aborted == "abort" and held and late_status == 200
+    assert int_version[0] == 400 and "weight_version" in int_version[1]
+    assert unsafe[0] == 400 and "Blocked unsafe global (posix.getpid)" in unsafe[1]
