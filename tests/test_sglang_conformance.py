@@ -468,6 +468,21 @@ def test_9_rollout_sglang_settings_reach_the_server_command():
 
 
 # ---------------------------------------------------------------------- 10. dependency floors
+def test_10_a_missing_sglang_says_which_python_and_glibc_it_needs(model_dir):
+    """Where the gpu extra left sglang out (Python 3.10, or no extra), launching a server is one clear error
+    naming what 0.5.23 needs, before any port or process."""
+    async def main():
+        eng = SGLangEngine(model_dir, launch_module="no_such_sglang.launch_server", retries=0)
+        try:
+            with pytest.raises(SGLangError, match=r"not importable .*needs Python >= 3.11 and glibc >= 2.34"):
+                await eng.start()
+            return eng.port
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main()) is None  # refused before a port was claimed
+
+
 def test_10_dependency_floors_and_the_gpu_install_line():
     import tomllib
 
@@ -483,9 +498,15 @@ def test_10_dependency_floors_and_the_gpu_install_line():
     assert floor("torch") >= Version("2.8")  # FSDPModule.set_force_sum_reduction_for_comms (learners/parallelize.py)
     assert floor("ray") >= Version("2.59")  # token auth on by default for a local cluster (docs/reliability.md)
     gpu = [Requirement(r) for r in meta["optional-dependencies"]["gpu"]]
-    assert [str(r) for r in gpu if r.name == "sglang"] == ["sglang==0.5.23"]
+    assert [str(r.specifier) for r in gpu if r.name == "sglang"] == ["==0.5.23"]
+    # issue 26 item 15: its wheels are cp311-cp313 only, while the project installs on 3.10
+    sglang_req = next(r for r in gpu if r.name == "sglang")
+    assert Version(meta["requires-python"].removeprefix(">=")) < Version("3.11")
+    assert sglang_req.marker is not None and not sglang_req.marker.evaluate({"python_version": "3.10"})
+    assert sglang_req.marker.evaluate({"python_version": "3.11"})
     assert not any(r.name == "flash-attn" for r in gpu)  # an sdist needing torch first: its own README step
     readme = (REPO / "README.md").read_text()
+    assert "Python >= 3.11 and glibc >= 2.34" in readme
     assert re.search(r"^pip install -e '\.\[gpu\]'", readme, re.M)
     assert re.search(r"^pip install flash-attn --no-build-isolation", readme, re.M)
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from actors.engine import EngineStats, GenerateRequest, GenerateResult, WeightBucket
 from actors.engines.sglang_http import SGLangHTTP
-from actors.engines.sglang_process import claim_port, listener_pid, process_tree
+from actors.engines.sglang_process import claim_port, launch_module_error, listener_pid, process_tree
 from actors.engines.sglang_server import (IN_FLIGHT_FLAGS, ContextLimits, check_server_info, in_flight_problem,
                                           original_logprob_env_error)
 from actors.engines.sglang_wire import SGLangError, json_object, parse_generate_response, serialize_named_tensors
@@ -128,6 +128,8 @@ class SGLangEngine(SGLangHTTP):
         await self._check_server()
 
     def _launch(self) -> None:
+        if why := launch_module_error(self.launch_module):
+            raise SGLangError(why)
         self.port, self._port_lock = claim_port(*self.port_range)
         fd, self._log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
         self._proc = subprocess.Popen(self.launch_command(self.port), stdout=fd, stderr=subprocess.STDOUT,
