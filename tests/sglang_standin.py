@@ -59,7 +59,10 @@ cites the SGLang file it follows (paths under sglang/):
 - it is launched the way the client launches SGLang: `python -m tests.sglang_standin --model-path
   DIR --host 127.0.0.1 --port P --tp-size N ...`, and an occupied port makes it exit.
 
-Tests also start it in a background thread: `StandinServer(model_dir).start()`.
+Tests also start it in a background thread: `StandinServer(model_dir).start()`, or as a client's
+launch command would (`server_from_command`). Over ~400 lines because this list is its spec, each rule
+beside its upstream file; the rules themselves are tests/sglang_rules.py, the engine's additions
+tests/sglang_standin_engine.py, and this module keeps only the routes.
 """
 
 from __future__ import annotations
