@@ -777,10 +777,12 @@ def test_26_13_near_the_context_limit_the_client_caps_max_new_tokens_as_the_serv
             sent = len(srv.state.requests)
             full = await eng.generate(GenerateRequest("n-1#", np.full(59, 5, np.int64), SamplingParams(30, seed=1),
                                                       prompt_len=10))  # a resume that has reached the context
+            turn = await eng.generate(GenerateRequest("n-3#", np.full(59, 5, np.int64), SamplingParams(30, seed=1),
+                                                      prompt_len=59))  # a multi-turn context at the limit
             unsent = len(srv.state.requests) - sent
             with pytest.raises(SGLangError, match="lower data.max_prompt_len below 58"):
                 await eng.generate(GenerateRequest("n-2#", np.full(59, 5, np.int64), SamplingParams(30, seed=1)))
-            return raw, capped, full, unsent
+            return raw, capped, (full, turn), unsent
         finally:
             await eng.shutdown()
 
@@ -793,7 +795,7 @@ def test_26_13_near_the_context_limit_the_client_caps_max_new_tokens_as_the_serv
     assert len(json.loads(raw[1][1])["output_ids"]) == 22  # 64 - 40 - 2
     assert "maximum allowed length (58 tokens)" in raw[2][1] and "longer than the model's context length" in raw[3][1]
     assert capped.finish_reason == "length" and len(capped.output_ids) == 22
-    assert full.finish_reason == "length" and len(full.output_ids) == 0 and unsent == 0
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 0 for r in full) and unsent == 0
 
 
 def test_26_12_the_weight_group_is_destroyed_on_shutdown_and_before_init(standin):

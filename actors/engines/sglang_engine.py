@@ -237,7 +237,7 @@ class SGLangEngine(SGLangHTTP):
         n_in = len(request.input_ids)
         max_new = int(request.sampling.max_new_tokens)
         if self._limits is not None:  # what the server would cap or refuse (sglang_server.ContextLimits)
-            max_new = self._limits.max_new_tokens(n_in, request.prompt_len or n_in, max_new, self.url)
+            max_new = self._limits.max_new_tokens(n_in, request.prompt_len, max_new, self.url)
         if aborts != self._aborts or max_new == 0:  # aborted while waiting, or no room left: nothing to send
             return GenerateResult(request.request_id, np.zeros(0, np.int64), np.zeros(0, np.float32),
                                   np.zeros(0, np.int64), "abort" if aborts != self._aborts else "length", n_in)

@@ -86,12 +86,14 @@ class ContextLimits:
         c = (info or {}).get("context_length")
         return cls(m, c if isinstance(c, int) and not isinstance(c, bool) else m + 6)
 
-    def max_new_tokens(self, input_len: int, prompt_len: int, asked: int, url: str) -> int:
-        """What to ask for: `asked` capped to what the server would run; 0 when a resumed response has
-        reached the context (nothing to send: it ends with reason `length`). A prompt the server would
-        refuse is an SGLangError naming the settings."""
+    def max_new_tokens(self, input_len: int, prompt_len: int | None, asked: int, url: str) -> int:
+        """What to ask for: `asked` capped to what the server would run; 0 when the input leaves no room
+        (nothing to send: the response ends with reason `length`), as for a resume or a multi-turn context
+        that reached the limit (their callers set `prompt_len`; the generation actor always does, and
+        data.max_prompt_len keeps its prompts short). An input given as all prompt (`prompt_len` None)
+        that the server would refuse is an SGLangError naming the settings."""
         if input_len >= self.max_req_input_len:
-            if prompt_len < input_len:
+            if prompt_len is not None:
                 return 0
             raise SGLangError(
                 f"a prompt of {prompt_len} tokens does not fit the SGLang server at {url}: it refuses inputs of "
