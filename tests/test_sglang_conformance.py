@@ -5,6 +5,8 @@ Every test runs the real client (actors/engines/sglang_engine.py) over real HTTP
 tests/sglang_standin.py: a STAND-IN for SGLang (which needs a GPU), backed by the torch engine,
 that checks every /generate body with SGLang's own generated contract and follows 0.5.23's
 session, flush, pause, abort, readiness and version-span rules (each cites its SGLang file).
+Tests named test_26_<item> are issue 26's (SGLang 0.5.23's in-flight path, sampling and length limits,
+the NCCL group, aborts while paused, failed loads), each failing on the client before its fix.
 """
 
 from __future__ import annotations
