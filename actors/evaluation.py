@@ -106,14 +106,14 @@ class EvalActor:
     async def evaluate(self, weights, version: int) -> list[SetResult]:
         """Load `weights` (object-store bucket refs or a disk directory, as async_april/weight_buckets.py defines
         them; None keeps the engine's weights) as `version`, then evaluate every set at that version."""
-        from async_april.weight_buckets import iter_buckets
+        from async_april.weight_buckets import fetch_buckets
 
         async with self.lock:
             t0 = time.perf_counter()
             await self._start()
             try:
                 if weights is not None:
-                    await self.engine.update_weights(iter_buckets(weights), version)
+                    await self.engine.update_weights(await fetch_buckets(weights), version)
                 out = [await self._evaluate_set(s, version) for s in self.sets]
             except asyncio.CancelledError:  # superseded (ray.cancel): free the engine for the next one
                 await self.engine.abort_all()

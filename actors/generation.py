@@ -276,16 +276,16 @@ class GenerationActor:
     # -- control from the controller ------------------------------------------------
     async def update_weights(self, payload, version: int) -> float:
         """Load weights `version`: object-store bucket refs or a disk directory (see
-        async_april/weight_buckets.py), one bucket at a time. Returns seconds spent."""
-        from async_april.weight_buckets import iter_buckets
+        async_april/weight_buckets.py), fetched before the load. Returns seconds spent."""
+        from async_april.weight_buckets import fetch_buckets
 
         in_flight = self.cfg.rollout.on_weight_update == "continue"
         if isinstance(payload, str) and getattr(self.engine, "weight_update_mode", None) == "disk":
             load = partial(self.engine.update_weights_from_disk, payload, version, in_flight=in_flight)  # the server reads the files
         elif in_flight:
-            load = partial(self.engine.update_weights_in_flight, iter_buckets(payload), version)
+            load = partial(self.engine.update_weights_in_flight, await fetch_buckets(payload), version)
         else:
-            load = partial(self.engine.update_weights, iter_buckets(payload), version)
+            load = partial(self.engine.update_weights, await fetch_buckets(payload), version)
         return await self._load(load)
 
     async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:

@@ -8,8 +8,9 @@ larger bucket), all tensors of a bucket share a dtype, names are kept.
 Transports (`weight_sync.transport`):
 
     object_store  learner rank 0 gathers one bucket at a time and `ray.put`s it; the engine
-                  actors receive the list of ObjectRefs and `ray.get` them one at a time
-                  (`iter_buckets`), so each side holds about one bucket at once. CPU default.
+                  actors receive the list of ObjectRefs and await them (`fetch_buckets`; a
+                  blocking `ray.get` in an async actor stalls its event loop) or, outside an
+                  async actor, `ray.get` them one at a time (`iter_buckets`). CPU default.
     disk          rank 0 writes root/v{version:08d}/bucket_NNNNN.safetensors + manifest.json
                   into a temporary directory renamed into place (atomic); engines get the
                   directory path and read the buckets one at a time. Needs a shared filesystem.
@@ -19,7 +20,8 @@ Transports (`weight_sync.transport`):
 
 Engines see one call whatever the transport: `update_weights(payload, version)`,
 where payload is a list of ObjectRefs (object_store) or a directory (disk), and
-`iter_buckets(payload)` yields `WeightBucket`s for `Engine.update_weights`.
+`await fetch_buckets(payload)` (in an async actor) or `iter_buckets(payload)` gives the `WeightBucket`s
+for `Engine.update_weights`.
 
 The learner writes this format (learners/), the engines read it (actors/): it lives in the core so
 that neither imports the other. The driver-side push is learners/weight_sync.py `WeightSyncer`.
@@ -118,6 +120,18 @@ def iter_buckets(payload: Any) -> Iterator[WeightBucket]:
 
     for ref in payload:
         yield ray.get(ref)
+
+
+async def fetch_buckets(payload: Any) -> Iterable[WeightBucket]:
+    """The buckets of one weight update, for an async actor (generation, evaluation): ObjectRefs awaited
+    one after the other, never a blocking `ray.get` (Ray logs "Using blocking ray.get inside async
+    actor" for one even from another thread, and it stalls the loop meanwhile); a disk directory is
+    read lazily, as `iter_buckets` does. All fetched buckets are held until the engine loads them,
+    which the engines need anyway (the torch engine stages a whole set before copying any of it,
+    actors/engines/torch_batch.py; the SGLang client sends them within one pause)."""
+    if isinstance(payload, (str, os.PathLike)):
+        return iter_disk_buckets(payload)
+    return [await ref for ref in payload]
 
 
 def iter_disk_buckets(directory: str | os.PathLike) -> Iterator[WeightBucket]:

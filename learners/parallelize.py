@@ -17,14 +17,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 FLASH_ATTN_HINT = (
-    "model.attn_implementation=flash_attention_2 needs the flash-attn package "
-    "(pip install 'async-april[gpu]') and a CUDA GPU; use model.attn_implementation=sdpa otherwise"
+    "model.attn_implementation=flash_attention_2 needs FlashAttention 2 (the flash-attn package) and a CUDA GPU; "
+    "the [gpu] extra does not bring it: install it after that extra with `pip install flash-attn "
+    "--no-build-isolation` (README). flash-attn-4, which sglang 0.5.23 pulls in, is not FA2. "
+    "Otherwise use model.attn_implementation=sdpa"
 )
+
+
+def flash_attn_2_installed() -> bool:
+    """FlashAttention 2 itself. flash-attn-4 (a dependency of sglang 0.5.23) installs a bare `flash_attn/cute`
+    namespace, so `find_spec("flash_attn")` is true without FA2 (transformers' `is_flash_attn_2_available`
+    checks the distribution name for the same reason); FA2 ships a regular `flash_attn` package (an
+    `__init__.py`: a spec with an origin) and its CUDA extension, the top-level `flash_attn_2_cuda`."""
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin is not None and importlib.util.find_spec("flash_attn_2_cuda") is not None
 
 
 def resolve_attn_implementation(name: str) -> str:
     """Check that the requested attention kernel can run here; return the name for transformers."""
-    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    if name == "flash_attention_2" and not flash_attn_2_installed():
         raise RuntimeError(FLASH_ATTN_HINT)
     if name not in ("sdpa", "eager", "flash_attention_2"):
         raise ValueError(f"model.attn_implementation={name!r}: expected sdpa, eager or flash_attention_2")

@@ -101,12 +101,16 @@ def environment(device: str) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_mem_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
-    for mod in ("pydantic", "ray", "wandb", "sglang", "flash_attn"):
+    for mod in ("pydantic", "ray", "wandb", "sglang"):
         try:
             __import__(mod)
             info[f"has_{mod}"] = True
         except Exception:  # noqa: BLE001 - absence is the information
             info[f"has_{mod}"] = False
+    # not `import flash_attn`: flash-attn-4 (from sglang) installs a bare flash_attn namespace without FA2
+    from learners.parallelize import flash_attn_2_installed
+
+    info["has_flash_attn_2"] = flash_attn_2_installed()
     return info
 
 

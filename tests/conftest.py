@@ -35,5 +35,5 @@ def standin(model_dir):
 
     srv = StandinServer(model_dir, max_running=64)
     srv.start()
-    yield srv
+    yield srv.wait_ready()  # its model loaded: a test loading one meanwhile would race it
     srv.stop()

@@ -34,19 +34,48 @@ cites the SGLang file it follows (paths under sglang/):
   counts the recomputed tokens in its engine's `reprefill_tokens`;
 - replies carry `weight_version` and `weight_versions` spans [start, end) of output tokens
   (srt/utils/weight_versions.py compute_weight_version_spans / add_weight_versions_to_meta_info);
+- sampling_params pass `SamplingParams.verify`'s range checks (top_k -1 or >= 1, top_p in (0, 1],
+  temperature >= 0, ...: srt/sampling/sampling_params.py), and input length against the context:
+  input >= context_len and input + max_new_tokens > context_len are 400 (tokenizer_manager.py
+  _validate_one_request), max_new_tokens is capped at context_len - input - 2 (scheduler.py
+  init_req_max_new_tokens), input >= context_len - 6 is 400 (managers/utils.py validate_input_length);
+  the ported rules are tests/sglang_rules.py;
+- the overlap scheduler's one-step lag (on unless --disable-overlap-schedule): a load while paused in
+  place (or not paused) records each running request's version change one token short, and none for a
+  request with no processed output yet (scheduler.py event_loop_overlap, pause_generation;
+  utils/weight_versions.py record_weight_version_events);
+- a prefix (radix) cache (on unless --disable-radix-cache) that keeps serving KV computed by older
+  weights until a flush (tests/sglang_standin_engine.py); replies carry `cached_tokens`;
+- an abort while paused in place returns the running requests only after /continue_generation, and
+  requests held at the pause gate are not aborted at all (scheduler.py abort_request: `to_finish`;
+  tokenizer_manager.py: the gate is before the scheduler); a pause with mode=abort aborts everything
+  and stays paused until /continue_generation (tokenizer_manager.py pause_generation);
+- every bucket loads when it arrives, so a failed bucket leaves the earlier ones applied: mixed
+  weights, no rollback (weight_updater.py update_weights_from_tensor); payloads are unpickled with
+  SGLang's allow-list (srt/utils/common.py SafeUnpickler); a str field given an int (e.g.
+  `weight_version: 3`) is 400 (managers/io_struct.py; http_server.py validation_exception_handler);
+- /init_weights_update_group refuses a group name it already holds, as torch does ("has already been
+  created", torch/distributed/distributed_c10d.py _new_process_group_helper), until
+  /destroy_weights_update_group (model_runner_components/weight_updater.py); it forms no NCCL group,
+  so /update_weights_from_distributed is refused;
 - sampling_seed is honoured only with --enable-deterministic-inference (srt/server_args.py);
 - it is launched the way the client launches SGLang: `python -m tests.sglang_standin --model-path
   DIR --host 127.0.0.1 --port P --tp-size N ...`, and an occupied port makes it exit.
 
-Tests also start it in a background thread: `StandinServer(model_dir).start()`.
+Tests also start it in a background thread: `StandinServer(model_dir).start()`, or as a client's
+launch command would (`server_from_command`). Over ~400 lines because this list is its spec, each rule
+beside its upstream file; the rules themselves are tests/sglang_rules.py, the engine's additions
+tests/sglang_standin_engine.py, and this module keeps only the routes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,10 +84,10 @@ from aiohttp import web
 
 from actors.engine import GenerateRequest, SamplingParams
 from async_april.lora_weights import is_adapter_name
-from actors.engines.sglang_wire import deserialize_named_tensors
-from actors.engines.torch_engine import TorchEngine
 from tests.sglang_api_types import GenerateRequest as ContractRequest
 from tests.sglang_api_types import JsonContractError
+from tests.sglang_rules import check_lengths, control_body_error, reported_spans, safe_loads, verify_sampling_params
+from tests.sglang_standin_engine import StandinEngine
 
 SESSION_MSG = "{} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED_MSG = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -85,30 +114,27 @@ def make_test_model_dir(out_dir: Path, seed: int = 0) -> Path:
         return out_dir
 
 
-def spans_of(versions: np.ndarray) -> list[dict]:
-    """Per-token versions as 0.5.23's weight_versions spans (srt/utils/weight_versions.py)."""
-    spans: list[dict] = []
-    for i, v in enumerate(versions.tolist()):
-        if spans and spans[-1]["version"] == str(v):
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
-    return spans
-
-
 class StandinState:
     """What the real server keeps across requests: readiness, live rids, pause mode, the weight-update session."""
 
-    def __init__(self, engine: TorchEngine, model_path: str, port: int, tp_size: int, deterministic: bool) -> None:
+    def __init__(self, engine: StandinEngine, model_path: str, port: int, tp_size: int, deterministic: bool,
+                 overlap: bool, context_len: int) -> None:
         self.engine, self.model_path, self.port = engine, model_path, port
         self.tp_size, self.deterministic = tp_size, deterministic
+        self.overlap, self.context_len = overlap, context_len
+        self.lagged: set[int] = set()
+        """Versions whose change was recorded with the overlap scheduler's one-token lag."""
+        self.groups: set[str] = set()
+        """Weight-update group names initialised and not destroyed."""
         self.ready = False
         self.live: set[str] = set()
         self.paused: str | None = None
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.session = False
-        self.pending_buckets: list[dict] = []
+        self.hold_sessions = threading.Event()
+        """Tests clear it to hold /begin_weight_update open (a slow load): only timing, never the protocol."""
+        self.hold_sessions.set()
         self.weight_version = str(engine.version)
         self.requests: list[dict] = []
         """Every /generate body received (tests read what the client sent)."""
@@ -136,9 +162,12 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
                                   "weight_version": state.weight_version})
 
     async def server_info(_):
+        # utils/common.py build_server_info: the resolved server args plus the scheduler's limits
         return web.json_response({"model_path": state.model_path, "host": "127.0.0.1", "port": state.port,
                                   "tp_size": state.tp_size, "enable_deterministic_inference": state.deterministic,
-                                  "skip_tokenizer_init": True, "version": "0.5.23-standin"})
+                                  "skip_tokenizer_init": True, "disable_overlap_schedule": not state.overlap,
+                                  "disable_radix_cache": not engine.radix_cache, "context_length": state.context_len,
+                                  "max_req_input_len": state.context_len - 6, "version": "0.5.23-standin"})
 
     async def generate(req: web.Request):
         try:
@@ -154,8 +183,13 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
             return web.json_response({"error": "--skip-tokenizer-init: send input_ids"}, status=400)
         state.requests.append(body)
         sp = body.get("sampling_params") or {}
+        _, why = verify_sampling_params(sp, engine.model.config.vocab_size)
+        max_new, why = (0, why) if why else check_lengths(len(body["input_ids"]), sp.get("max_new_tokens", 128),
+                                                          state.context_len)
+        if why:  # tokenizer_manager.py: a ValueError is a 400 (http_server.py _create_error_response)
+            return web.json_response({"error": {"message": why}}, status=400)
         params = SamplingParams(
-            max_new_tokens=sp.get("max_new_tokens", 128),
+            max_new_tokens=max_new,
             temperature=sp.get("temperature", 1.0),
             top_p=sp.get("top_p", 1.0),
             top_k=sp.get("top_k", -1),
@@ -176,9 +210,11 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
             reason["matched"] = int(res.output_ids[-1])
         else:
             reason["message"] = "Abort before prefill" if len(res.output_ids) == 0 else "Abort in waiting queue"
-        spans = spans_of(res.versions) or [{"version": state.weight_version, "start": 0, "end": 0}]
+        spans = (reported_spans(res.versions, state.lagged if state.overlap else set())
+                 or [{"version": state.weight_version, "start": 0, "end": 0}])
+        cached, _ = engine.cached.pop(res.request_id, (0, 0))
         meta = {"id": rid, "finish_reason": reason, "prompt_tokens": res.prompt_tokens,
-                "completion_tokens": len(res.output_ids), "cached_tokens": 0,
+                "completion_tokens": len(res.output_ids), "cached_tokens": cached,
                 "weight_version": spans[-1]["version"], "weight_versions": spans}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in zip(res.logprobs, res.output_ids)]
@@ -197,12 +233,12 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return web.json_response({"error": f"mode {mode!r}"}, status=400)
-        if mode == "abort":
+        state.paused = mode
+        state.unpaused.clear()  # every mode closes the gate until /continue_generation
+        if mode == "abort":  # the scheduler is not paused; everything it holds is aborted
             await engine.abort_all()
         else:
-            state.paused = mode
-            state.unpaused.clear()
-            await engine.pause()
+            await engine.pause_mode(in_place=mode == "in_place")
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def cont(_):
@@ -214,12 +250,14 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
     async def flush(_):
         if not state.idle_for_flush():
             return web.Response(status=400, text="Flush cache failed.\n")
+        engine.flush_prefix_cache()  # scheduler.py flush_cache: tree_cache.reset()
         return web.Response(text="Cache flushed.\n")
 
     async def begin(_):
         if state.session:
             return error(400, "a weight-update session is already open; call end_weight_update() first")
         state.session = True
+        await asyncio.to_thread(state.hold_sessions.wait)
         return web.json_response({"success": True, "message": "Success"})
 
     async def end(_):
@@ -238,15 +276,22 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
             return error(400, f"LoRA adapter tensors ({adapters[0]!r}, ...) are not parameters of the model; "
                               "SGLang's weight routes take full weights (send merged weights)")
         # Retracted requests get their KV recomputed under the new weights; in place they keep the old KV.
-        update = engine.update_weights if state.paused == "retract" else engine.update_weights_in_flight
+        # Each bucket is applied as it comes: one that fails leaves the earlier ones in place (no rollback).
+        old = engine.version
         try:
-            await update(buckets, int(version) if version is not None else engine.version)
+            for bucket in buckets:
+                await engine.load_bucket(bucket, engine.version, keep_cache=state.paused != "retract")
         except (KeyError, ValueError) as e:
             return error(400, str(e))
         if version is not None:
+            await engine.load_bucket({}, int(version), keep_cache=True)  # the version only (no weights, no re-prefill)
             state.weight_version = version
-        if flush_cache and not state.idle_for_flush():
-            return error(400, FLUSH_REFUSED_MSG)
+            if state.overlap and state.paused != "retract" and int(version) != old:
+                state.lagged.add(int(version))  # retract processes the launched batch first (scheduler.py)
+        if flush_cache:
+            if not state.idle_for_flush():
+                return error(400, FLUSH_REFUSED_MSG)
+            engine.flush_prefix_cache()
         return web.json_response({"success": True, "message": "Success"})
 
     async def from_tensor(req: web.Request):
@@ -257,11 +302,11 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         if not isinstance(entries, list) or len(entries) != state.tp_size:
             return error(400, f"serialized_named_tensors needs one entry per TP rank ({state.tp_size}), got "
                               f"{len(entries) if isinstance(entries, list) else entries!r}")
-        state.pending_buckets.append(dict(deserialize_named_tensors(entries[0])))
-        if body.get("weight_version") is None and not body.get("flush_cache", True):
-            return web.json_response({"success": True, "message": "Success"})  # the torch engine loads whole sets
-        buckets, state.pending_buckets = state.pending_buckets, []
-        return await load(buckets, body.get("weight_version"), body.get("flush_cache", True))
+        try:  # tp_worker.py deserialize_own_rank -> MultiprocessingSerializer.deserialize (SafeUnpickler)
+            bucket = dict(safe_loads(base64.b64decode(entries[0], validate=True)))
+        except Exception as e:  # noqa: BLE001 - the server answers any failure to read the payload with 400
+            return error(400, f"Failed to deserialize serialized_named_tensors: {e}")
+        return await load([bucket], body.get("weight_version"), body.get("flush_cache", True))
 
     async def from_disk(req: web.Request):
         body = await req.json()
@@ -273,8 +318,20 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
             return error(400, f"no *.safetensors files in {body['model_path']}")
         return await load([load_file(str(f)) for f in files], body.get("weight_version"), body.get("flush_cache", True))
 
-    async def init_group(_):
-        return error(400, "stand-in server: NCCL weight updates need GPUs")
+    async def init_group(req: web.Request):
+        name = (await req.json()).get("group_name", "weight_update_group")
+        if name in state.groups:  # torch refuses a second group of one name (distributed_c10d.py)
+            return error(400, "Failed to initialize custom process group: The specified group name has already "
+                              "been created, please use a different group name.")
+        state.groups.add(name)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_group(req: web.Request):
+        name = (await req.json()).get("group_name", "weight_update_group")
+        if name not in state.groups:
+            return error(400, "The group to be destroyed does not exist.")
+        state.groups.discard(name)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def from_distributed(_):
         if sessions and not state.session:
@@ -295,6 +352,10 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
                 body = {}
             if isinstance(body, dict):
                 body = {k: v for k, v in body.items() if k != "serialized_named_tensors"}
+                why = control_body_error(req.path, body)
+                if why:  # the struct's own validation, a 400 in ErrorResponse's shape
+                    return web.json_response({"object": "error", "message": why, "type": "Bad Request", "code": 400},
+                                             status=400)
             state.control.append((req.path, body))
         return await handler(req)
 
@@ -307,7 +368,8 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         web.post("/pause_generation", pause), web.post("/continue_generation", cont),
         web.post("/flush_cache", flush), web.get("/flush_cache", flush),
         web.post("/update_weights_from_disk", from_disk), web.post("/update_weights_from_tensor", from_tensor),
-        web.post("/init_weights_update_group", init_group), web.post("/update_weights_from_distributed", from_distributed),
+        web.post("/init_weights_update_group", init_group), web.post("/destroy_weights_update_group", destroy_group),
+        web.post("/update_weights_from_distributed", from_distributed),
         web.post("/update_weight_version", set_version),
     ])
     if sessions:
@@ -319,10 +381,21 @@ class StandinServer:
     """Runs the stand-in on 127.0.0.1 (a free port unless given) in a background thread with its own event loop."""
 
     def __init__(self, model_path: str | Path, port: int = 0, *, tp_size: int = 1, deterministic: bool = True,
-                 warmup_s: float = 0.0, weight_version: int = 0, sessions: bool = True, **engine_kwargs) -> None:
+                 warmup_s: float = 0.0, weight_version: int = 0, sessions: bool = True,
+                 disable_overlap_schedule: bool = False, disable_radix_cache: bool = False,
+                 context_length: int | None = None, **engine_kwargs) -> None:
+        """Defaults as 0.5.23's: the overlap scheduler and the radix cache on; the context length the
+        model's config gives (`--context-length` overrides it, srt/configs/model_config.py)."""
         self.model_path, self.port, self.sessions = str(model_path), port, sessions
         self.tp_size, self.deterministic, self.warmup_s = tp_size, deterministic, warmup_s
-        self.engine = TorchEngine(self.model_path, version=weight_version, **engine_kwargs)
+        self.overlap = not disable_overlap_schedule
+        self.engine = StandinEngine(self.model_path, version=weight_version, radix_cache=not disable_radix_cache,
+                                    **engine_kwargs)
+        if context_length is None:
+            from transformers import AutoConfig
+
+            context_length = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
+        self.context_length = context_length
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.url = ""
@@ -339,6 +412,16 @@ class StandinServer:
             raise RuntimeError(f"stand-in server did not start: {self._error!r}")
         return self.url
 
+    def wait_ready(self, timeout_s: float = 60.0) -> "StandinServer":
+        """Until /health would answer 200. Loading a model in this process meanwhile is not safe: while
+        transformers builds one on the meta device, another thread's from_pretrained breaks."""
+        t0 = time.monotonic()
+        while not self._state.ready and time.monotonic() - t0 < timeout_s:
+            if self._error is not None:
+                raise RuntimeError(f"stand-in server failed: {self._error!r}")
+            time.sleep(0.05)
+        return self
+
     def _main(self) -> None:
         self.loop = asyncio.new_event_loop()
         try:
@@ -348,7 +431,8 @@ class StandinServer:
             self._ready.set()
 
     async def serve(self) -> None:
-        self._state = StandinState(self.engine, self.model_path, self.port, self.tp_size, self.deterministic)
+        self._state = StandinState(self.engine, self.model_path, self.port, self.tp_size, self.deterministic,
+                                   self.overlap, self.context_length)
         self._runner = web.AppRunner(build_app(self._state, self.sessions))
         await self._runner.setup()
         # SO_REUSEADDR, as uvicorn (SGLang's HTTP server) sets it: a server restarted on its port must
@@ -373,9 +457,9 @@ class StandinServer:
             self._thread.join(30)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m tests.sglang_standin` with the flags the client passes `sglang.launch_server`
-    (srt/server_args.py names); any other flag is an error, as it is there."""
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags the client passes `sglang.launch_server` (srt/server_args.py names: field names with
+    dashes, arg_groups/arg_utils.py); any other flag is an error, as it is there."""
     ap = argparse.ArgumentParser(prog="sglang_standin")
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
@@ -385,12 +469,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-tokenizer-init", action="store_true")
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--enable-deterministic-inference", action="store_true")
+    ap.add_argument("--disable-overlap-schedule", action="store_true")  # arg_groups/fields/schedule.py
+    ap.add_argument("--disable-radix-cache", action="store_true")  # arg_groups/fields/memory.py
+    ap.add_argument("--context-length", type=int)
     ap.add_argument("--warmup-s", type=float, default=0.0, help="stand-in only: seconds /health stays 503 after loading")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    return ap.parse_args(argv)
+
+
+def server_from_args(a: argparse.Namespace, **engine_kwargs) -> StandinServer:
     version = int(a.weight_version) if a.weight_version.isdigit() else 0
-    srv = StandinServer(a.model_path, a.port, tp_size=a.tp_size, deterministic=a.enable_deterministic_inference,
-                        warmup_s=a.warmup_s, weight_version=version, max_batch_tokens=4096)
+    return StandinServer(a.model_path, a.port, tp_size=a.tp_size, deterministic=a.enable_deterministic_inference,
+                         warmup_s=a.warmup_s, weight_version=version, disable_overlap_schedule=a.disable_overlap_schedule,
+                         disable_radix_cache=a.disable_radix_cache, context_length=a.context_length, **engine_kwargs)
+
+
+def server_from_command(cmd: list[str], **engine_kwargs) -> StandinServer:
+    """The stand-in a client's `launch_command` would start (`python -m MODULE FLAGS...`), served in this
+    process on a free port, so a test reads its state."""
+    a = parse_args(cmd[cmd.index("-m") + 2:])
+    a.port = 0
+    return server_from_args(a, **engine_kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tests.sglang_standin` with SGLang's flags (see `parse_args`)."""
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    srv = server_from_args(a, max_batch_tokens=4096)
     try:
         asyncio.run(srv.serve())
     except OSError as e:  # the port is taken: the real server exits too

@@ -8,9 +8,12 @@ Ray actors in a cluster started (and stopped) by this module only.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import socket
 from pathlib import Path
+import sys
 
 import numpy as np
 import pytest
@@ -369,6 +372,33 @@ def test_flash_attention_without_package_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="flash-attn package"):
         parallelize.resolve_attn_implementation("flash_attention_2")
     assert parallelize.resolve_attn_implementation("sdpa") == "sdpa"
+
+
+def test_flash_attn_4_namespace_is_not_flash_attention_2(tmp_path, monkeypatch):
+    """Issue 26 item 15: flash-attn-4 (pulled in by sglang 0.5.23) installs flash_attn/cute/ and no
+    flash_attn/__init__.py; find_spec("flash_attn") found that namespace, so FA2 passed the check without
+    being installed and the hint sent users to the [gpu] extra, which does not provide it. Layouts as the
+    wheels install them (flash_attn_4-4.0.0b36; flash-attn 2.x: flash_attn/__init__.py + flash_attn_2_cuda)."""
+    from learners import parallelize
+
+    fa4 = tmp_path / "fa4"
+    (fa4 / "flash_attn" / "cute").mkdir(parents=True)
+    (fa4 / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(fa4))
+    with pytest.raises(RuntimeError, match="flash-attn-4, which sglang 0.5.23 pulls in, is not FA2"):
+        parallelize.resolve_attn_implementation("flash_attention_2")
+    assert "pip install flash-attn --no-build-isolation" in parallelize.FLASH_ATTN_HINT
+    assert "async-april[gpu]" not in parallelize.FLASH_ATTN_HINT
+
+    fa2 = tmp_path / "fa2"
+    (fa2 / "flash_attn").mkdir(parents=True)
+    (fa2 / "flash_attn" / "__init__.py").write_text("__version__ = '2.8.3'\n")
+    (fa2 / "flash_attn_2_cuda.py").write_text("")  # the extension module's name (a .so in the real wheel)
+    monkeypatch.syspath_prepend(str(fa2))
+    for mod in ("flash_attn", "flash_attn_2_cuda"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    importlib.invalidate_caches()
+    assert parallelize.resolve_attn_implementation("flash_attention_2") == "flash_attention_2"
 
 
 # ----------------------------------------------------------------------------- Ray, 2 ranks

@@ -5,11 +5,14 @@ Every test runs the real client (actors/engines/sglang_engine.py) over real HTTP
 tests/sglang_standin.py: a STAND-IN for SGLang (which needs a GPU), backed by the torch engine,
 that checks every /generate body with SGLang's own generated contract and follows 0.5.23's
 session, flush, pause, abort, readiness and version-span rules (each cites its SGLang file).
+Tests named test_26_<item> are issue 26's (SGLang 0.5.23's in-flight path, sampling and length limits,
+the NCCL group, aborts while paused, failed loads), each failing on the client before its fix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -53,6 +56,21 @@ def repo_on_pythonpath():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return str(make_test_model_dir(tmp_path_factory.getbasetemp() / "tiny-conformance-model"))
+
+
+@pytest.fixture(scope="module")
+def continue_standin(model_dir):
+    """The stand-in as the client launches it for rollout.on_weight_update=continue (its flags parsed from
+    the client's own launch command), served in this process so that tests read its state."""
+    from actors.engines import make_engine
+    from tests.sglang_standin import server_from_command
+
+    cmd = make_engine(load_config(None, ["rollout.engine=sglang", "rollout.on_weight_update=continue"]),
+                      model_dir).launch_command(0)
+    srv = server_from_command(cmd, max_running=64)
+    srv.start()
+    yield srv.wait_ready()
+    srv.stop()
 
 
 def req(rid: str, max_new: int, seed: int = 0) -> GenerateRequest:
@@ -154,13 +172,14 @@ def test_1_distributed_update_gets_past_the_session_check_to_nccl(standin):
 
 
 @pytest.mark.parametrize("policy", ["drain", "continue"])
-def test_1_disk_weight_sync_through_the_generation_actor(standin, model_dir, tmp_path, policy):
+def test_1_disk_weight_sync_through_the_generation_actor(request, model_dir, tmp_path, policy):
     """The disk transport: learner-side files (DiskBucketWriter), the actor hands the directory to
     /update_weights_from_disk, which the server reads itself; with continue, paused in place and
     without a flush (test_12)."""
     from actors.generation import GenerationActor
     from learners.weight_sync import DiskBucketWriter
 
+    standin = request.getfixturevalue("continue_standin" if policy == "continue" else "standin")
     w = DiskBucketWriter(tmp_path / "weights", version=5)
     for b in halves(perturbed(model_dir)):
         w.add(b)
@@ -451,6 +470,21 @@ def test_9_rollout_sglang_settings_reach_the_server_command():
 
 
 # ---------------------------------------------------------------------- 10. dependency floors
+def test_10_a_missing_sglang_says_which_python_and_glibc_it_needs(model_dir):
+    """Where the gpu extra left sglang out (Python 3.10, or no extra), launching a server is one clear error
+    naming what 0.5.23 needs, before any port or process."""
+    async def main():
+        eng = SGLangEngine(model_dir, launch_module="no_such_sglang.launch_server", retries=0)
+        try:
+            with pytest.raises(SGLangError, match=r"not importable .*needs Python >= 3.11 and glibc >= 2.34"):
+                await eng.start()
+            return eng.port
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main()) is None  # refused before a port was claimed
+
+
 def test_10_dependency_floors_and_the_gpu_install_line():
     import tomllib
 
@@ -466,9 +500,15 @@ def test_10_dependency_floors_and_the_gpu_install_line():
     assert floor("torch") >= Version("2.8")  # FSDPModule.set_force_sum_reduction_for_comms (learners/parallelize.py)
     assert floor("ray") >= Version("2.59")  # token auth on by default for a local cluster (docs/reliability.md)
     gpu = [Requirement(r) for r in meta["optional-dependencies"]["gpu"]]
-    assert [str(r) for r in gpu if r.name == "sglang"] == ["sglang==0.5.23"]
+    assert [str(r.specifier) for r in gpu if r.name == "sglang"] == ["==0.5.23"]
+    # issue 26 item 15: its wheels are cp311-cp313 only, while the project installs on 3.10
+    sglang_req = next(r for r in gpu if r.name == "sglang")
+    assert Version(meta["requires-python"].removeprefix(">=")) < Version("3.11")
+    assert sglang_req.marker is not None and not sglang_req.marker.evaluate({"python_version": "3.10"})
+    assert sglang_req.marker.evaluate({"python_version": "3.11"})
     assert not any(r.name == "flash-attn" for r in gpu)  # an sdist needing torch first: its own README step
     readme = (REPO / "README.md").read_text()
+    assert "Python >= 3.11 and glibc >= 2.34" in readme
     assert re.search(r"^pip install -e '\.\[gpu\]'", readme, re.M)
     assert re.search(r"^pip install flash-attn --no-build-isolation", readme, re.M)
 
@@ -486,11 +526,16 @@ def test_11_generation_stops_on_the_models_whole_eos_set(model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------- 12. in-flight updates (issue 16)
-def test_12_continue_pauses_in_place_keeps_the_kv_cache_and_tags_tokens_at_the_load(standin, model_dir):
+def test_12_continue_pauses_in_place_keeps_the_kv_cache_and_tags_tokens_at_the_load(continue_standin, model_dir):
     """rollout.on_weight_update=continue over HTTP: the client pauses in place, loads every bucket with
     flush_cache=false and continues. The request decoding across the load is not aborted, the server
     re-prefills nothing, its versions switch once, at the load, and every logprob is the forward over the
-    mixed cache (KV of the old weights before the load, the new weights' after)."""
+    mixed cache (KV of the old weights before the load, the new weights' after).
+
+    Issue 26 item 9: the server is the one the client launches for continue. On the client as it was
+    (no --disable-overlap-schedule), the overlap scheduler tagged the last old-weights token new and
+    the replayed logprobs split one token later than the tags said: this test failed."""
+    standin = continue_standin
     from tests.test_torch_engine import mixed_cache_logprobs, teacher_forced
 
     w = {}
@@ -569,3 +614,336 @@ def test_12_a_flush_while_paused_in_place_with_a_request_running_is_refused(stan
     assert [s for s, _ in steps] == [200, 200, 200, 200]
     assert status == 400 and FLUSH_REFUSED_MSG in text
     assert res.finish_reason == "length" and len(res.output_ids) == 200  # the running request went on
+
+
+# ---------------------------------------------------------------------- issue 26: SGLang 0.5.23's in-flight path
+def test_26_9_10_continue_refuses_a_server_with_the_overlap_scheduler_or_the_radix_cache(standin, model_dir):
+    """A server given by rollout.sglang.url runs as its owner started it: with continue, one that keeps the
+    overlap scheduler or the radix cache (0.5.23's defaults, as the `standin` fixture) is refused at start,
+    naming the flags, and an in-flight load on it is refused too. The client as it was used it silently."""
+    from actors.engines import make_engine
+
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.url={standin.url}", "rollout.on_weight_update=continue"])
+
+    async def main():
+        with pytest.raises(SGLangError, match="--disable-overlap-schedule --disable-radix-cache"):
+            await make_engine(cfg, model_dir).start()
+        eng = client(standin.url)  # not asked for continue: starts, but an in-flight load is refused
+        await eng.start()
+        try:
+            mark = len(standin.state.control)
+            with pytest.raises(SGLangError, match="rollout.on_weight_update=interrupt or drain"):
+                await eng.update_weights_in_flight(halves(original(model_dir)), version=1)
+            return standin.state.control[mark:]
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main()) == []  # refused before the server was touched
+
+
+def test_26_9_the_standin_records_version_changes_like_the_overlap_scheduler():
+    """tests/sglang_rules.py reported_spans, what the stand-in replies with: a lagged change (overlap,
+    paused in place) is counted one token short, and a request with one token (its prefill result not
+    yet processed) gets no span at all; without the lag the spans are the truth."""
+    from tests.sglang_rules import reported_spans
+
+    def spans(v, lagged):
+        return [(s["version"], s["start"], s["end"]) for s in reported_spans(np.asarray(v), lagged)]
+
+    assert spans([3, 3, 3, 4, 4], {4}) == [("3", 0, 2), ("4", 2, 5)]
+    assert spans([3, 3, 3, 4, 4], set()) == [("3", 0, 3), ("4", 3, 5)]
+    assert spans([3, 4, 4, 4], {4}) == [("4", 0, 4)]  # prompt KV and first token from 3, all tagged 4
+    assert spans([3, 3, 4, 5, 5], {4, 5}) == [("3", 0, 1), ("4", 1, 2), ("5", 2, 5)]
+
+
+def prefix_kv_logprobs(model_dir: str, w: dict, prompt: np.ndarray, out_ids: np.ndarray, n: int) -> np.ndarray:
+    """Replay of a request whose first `n` prompt tokens came from a prefix cache filled by weights w[0],
+    the rest fed through w[1]."""
+    from tests.test_torch_engine import _model
+
+    from transformers import DynamicCache
+
+    m0, m1 = _model(model_dir, w[0]), _model(model_dir, w[1])
+    seq = torch.as_tensor(np.concatenate([prompt, out_ids]), dtype=torch.long)[None]
+    cache = DynamicCache(config=m0.config)
+    kw = "cache" if "cache" in inspect.signature(m0.forward).parameters else "past_key_values"  # renamed in 5.x
+    with torch.no_grad():
+        m0(seq[:, :n], use_cache=True, **{kw: cache})
+        logits = m1(seq[:, n:-1], use_cache=True, **{kw: cache}).logits[0]
+    lp = torch.log_softmax(logits.float(), -1)[len(prompt) - 1 - n:]
+    return lp.gather(-1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+def test_26_10_the_standins_radix_cache_serves_old_prefix_kv_until_a_flush(model_dir):
+    """The stand-in's engine (tests/sglang_standin_engine.py), as 0.5.23's radix cache: a prompt seen
+    before the in-flight load reuses its KV (all but its last token) from the old weights; after a flush
+    the same prompt is computed by the new weights."""
+    from tests.sglang_standin_engine import StandinEngine
+    from tests.test_torch_engine import teacher_forced
+
+    w = {0: original(model_dir), 1: perturbed(model_dir)}
+    w[1]["lm_head.weight"] = w[1]["model.embed_tokens.weight"]
+
+    async def main():
+        eng = StandinEngine(model_dir, eos_token_ids=())
+        await eng.start()
+        try:
+            await eng.generate(req("a#", 4, seed=1))
+            await eng.update_weights_in_flight([w[1]], version=1)
+            stale = await eng.generate(req("b#", 12, seed=2))
+            hit = eng.cached.pop("b#")
+            eng.flush_prefix_cache()
+            fresh = await eng.generate(req("c#", 12, seed=2))
+            return stale, hit, fresh, eng.cached
+        finally:
+            await eng.shutdown()
+
+    stale, hit, fresh, left = asyncio.run(main())
+    n = len(PROMPT) - 1
+    assert hit == (n, 0) and "c#" not in left
+    np.testing.assert_allclose(stale.logprobs, prefix_kv_logprobs(model_dir, w, PROMPT, stale.output_ids, n), atol=1e-4)
+    np.testing.assert_allclose(fresh.logprobs, teacher_forced(model_dir, w[1], PROMPT, fresh.output_ids), atol=1e-4)
+    assert np.abs(stale.logprobs - teacher_forced(model_dir, w[1], PROMPT, stale.output_ids)).max() > 1e-2
+
+
+def test_26_10_after_an_in_flight_load_a_shared_prompt_is_computed_by_the_new_weights(continue_standin, model_dir):
+    """A prompt sampled before an in-flight load (a group's first sample, a chat template) and again after
+    it: the second request's tokens are tagged new, so its prompt KV must be the new weights' too. On
+    the server the client launched as it was (radix cache on), that prefix KV was version 0's: this failed."""
+    from tests.test_torch_engine import teacher_forced
+
+    w = {0: original(model_dir), 1: perturbed(model_dir)}
+    w[1]["lm_head.weight"] = w[1]["model.embed_tokens.weight"]
+
+    async def main():
+        eng = client(continue_standin.url)
+        await eng.start()
+        try:
+            await eng.update_weights(halves(w[0]), version=40)
+            await eng.generate(req("g-0#", 6, seed=1))
+            await eng.update_weights_in_flight(halves(w[1]), version=41)
+            later = await eng.generate(req("g-1#", 12, seed=2))
+            await eng.update_weights(halves(w[0]), version=42)
+            return later
+        finally:
+            await eng.shutdown()
+
+    later = asyncio.run(main())
+    assert set(later.versions.tolist()) == {41}
+    np.testing.assert_allclose(later.logprobs, teacher_forced(model_dir, w[1], PROMPT, later.output_ids), atol=1e-4)
+
+
+def test_26_11_top_k_0_is_refused_by_the_config_and_verify_s_ranges_by_the_server(standin):
+    """0.5.23 answers top_k=0 with 400 on every request (sampling_params.py SamplingParams.verify), so the
+    config refuses it (it passed before); the stand-in applies verify's ranges with SGLang's messages."""
+    with pytest.raises(ConfigError, match="rollout.top_k=0 is not a setting: use rollout.top_k=-1"):
+        load_config(None, ["rollout.top_k=0", "algorithm.weight_bound=none"])
+    assert load_config(None, ["rollout.top_k=5", "algorithm.weight_bound=none"]).rollout.top_k == 5
+
+    def body(**sp):
+        return {"input_ids": PROMPT.tolist(), "sampling_params": {"max_new_tokens": 2, **sp}, "return_logprob": True}
+
+    standin.wait_ready()
+    async def main():
+        return [await raw_post(standin.url, "/generate", body(**sp)) for sp in (
+            {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -0.5}, {"min_p": 1.5},
+            {"repetition_penalty": 0.0}, {"top_k": -1}, {"top_k": 3, "top_p": 0.9}, {"temperature": 0.0})]
+
+    out = asyncio.run(main())
+    assert [s for s, _ in out] == [400] * 6 + [200] * 3
+    assert "top_k must be -1 (disable) or at least 1, got 0." in out[0][1]
+    assert "top_p must be in (0, 1], got 1.5." in out[2][1] and "temperature must be a non-negative" in out[3][1]
+
+
+def test_26_13_near_the_context_limit_the_client_caps_max_new_tokens_as_the_server_would(model_dir):
+    """A context of 64 tokens: 0.5.23 refuses input + max_new_tokens > 64 and input >= 58 (tokenizer_manager.py
+    _validate_one_request, managers/utils.py validate_input_length) and caps max_new_tokens at 64 - input - 2
+    (scheduler.py init_req_max_new_tokens); the stand-in does the same. The client reads the limits from
+    /server_info: it asks for what the server will run, ends a resume with no room left as `length` without a
+    request, and names the setting for a prompt that cannot fit. The client as it was sent 40 + 30 tokens
+    and got a 400 (this test failed there)."""
+    srv = StandinServer(model_dir, context_length=64, max_running=8)
+    srv.start()
+    srv.wait_ready()
+
+    def body(n: int, max_new: int) -> dict:
+        return {"input_ids": [5] * n, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+                "return_logprob": True}
+
+    async def main():
+        raw = [await raw_post(srv.url, "/generate", body(n, m)) for n, m in ((40, 30), (40, 24), (58, 2), (64, 1))]
+        eng = client(srv.url)
+        await eng.start()
+        try:
+            capped = await eng.generate(GenerateRequest("n-0#", np.full(40, 5, np.int64), SamplingParams(30, seed=1)))
+            sent = len(srv.state.requests)
+            full = await eng.generate(GenerateRequest("n-1#", np.full(59, 5, np.int64), SamplingParams(30, seed=1),
+                                                      prompt_len=10))  # a resume that has reached the context
+            turn = await eng.generate(GenerateRequest("n-3#", np.full(59, 5, np.int64), SamplingParams(30, seed=1),
+                                                      prompt_len=59))  # a multi-turn context at the limit
+            unsent = len(srv.state.requests) - sent
+            with pytest.raises(SGLangError, match="lower data.max_prompt_len below 58"):
+                await eng.generate(GenerateRequest("n-2#", np.full(59, 5, np.int64), SamplingParams(30, seed=1)))
+            return raw, capped, (full, turn), unsent
+        finally:
+            await eng.shutdown()
+
+    try:
+        raw, capped, full, unsent = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert [s for s, _ in raw] == [400, 200, 400, 400]
+    assert "exceeds the model's maximum context length of 64 tokens" in raw[0][1]
+    assert len(json.loads(raw[1][1])["output_ids"]) == 22  # 64 - 40 - 2
+    assert "maximum allowed length (58 tokens)" in raw[2][1] and "longer than the model's context length" in raw[3][1]
+    assert capped.finish_reason == "length" and len(capped.output_ids) == 22
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 0 for r in full) and unsent == 0
+
+
+def test_26_12_the_weight_group_is_destroyed_on_shutdown_and_before_init(standin):
+    """A server at rollout.sglang.url outlives a run: the next run (or a restarted actor) joins a group of
+    the same name, which torch refuses until it is destroyed (distributed_c10d.py; the stand-in refuses
+    it the same way). The client as it was never destroyed it: the second init was a 400."""
+    args = ("127.0.0.1", 29999, 1, 2)
+    standin.wait_ready()
+
+    async def main():
+        init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        raw = [await raw_post(standin.url, "/init_weights_update_group", {**init, "group_name": "g26"}) for _ in (0, 1)]
+        first, second = client(standin.url), client(standin.url)
+        await first.start()
+        await second.start()
+        await first.init_weights_update_group(*args)
+        await first.shutdown()  # a run that ends: its group goes with it
+        after_shutdown = set(standin.state.groups)
+        # a run that died holding the group (what its init left on the server) ...
+        await raw_post(standin.url, "/init_weights_update_group", {**init, "group_name": second.group_name})
+        await second.init_weights_update_group(*args)  # ... and the next run still joins
+        await second.shutdown()
+        return raw, after_shutdown, set(standin.state.groups)
+
+    (first_raw, again), after_shutdown, left = asyncio.run(main())
+    assert first_raw[0] == 200 and again[0] == 400 and "has already been created" in again[1]  # as torch refuses
+    assert "async_april_weights" not in after_shutdown and "async_april_weights" not in left
+
+
+def test_26_14_an_abort_during_an_in_flight_load_returns_after_continue_and_reaches_requests_sent_meanwhile(
+        continue_standin, model_dir):
+    """Paused in place, 0.5.23 only marks running requests aborted: they come back after
+    /continue_generation (scheduler.py abort_request, to_finish), and a request that arrived during the
+    pause waits at the tokenizer's gate, where no abort reaches it. So the client holds its own new
+    requests while it updates and answers them as aborted when an abort comes. The client as it was sent
+    the new request to the server's gate, and it ran to its end after the abort (this test failed)."""
+    st = continue_standin.state
+
+    async def main():
+        eng = client(continue_standin.url)
+        await eng.start()
+        try:
+            running = asyncio.create_task(eng.generate(req("h-0#", 300, seed=4)))
+            t0 = continue_standin.engine.stats().generated_tokens
+            while continue_standin.engine.stats().generated_tokens < t0 + 10:
+                await asyncio.sleep(0.005)
+            st.hold_sessions.clear()  # the load takes its time: /begin_weight_update answers when released
+            update = asyncio.create_task(eng.update_weights_in_flight(halves(original(model_dir)), version=50))
+            while st.paused != "in_place":
+                await asyncio.sleep(0.005)
+            meanwhile = asyncio.create_task(eng.generate(req("h-1#", 8, seed=5)))
+            aborts = sum(p == "/abort_request" for p, _ in st.control)
+            abort = asyncio.create_task(eng.abort_all())
+            while sum(p == "/abort_request" for p, _ in st.control) == aborts:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            held = not running.done() and not abort.done()
+            st.hold_sessions.set()
+            await update
+            await abort
+            return held, await running, await meanwhile
+        finally:
+            st.hold_sessions.set()
+            await eng.shutdown()
+
+    held, running, meanwhile = asyncio.run(main())
+    assert held  # nothing came back while paused in place
+    assert running.finish_reason == "abort" and 10 <= len(running.output_ids) < 300
+    assert meanwhile.finish_reason == "abort" and len(meanwhile.output_ids) == 0
+    assert not any(b.get("rid", "").startswith("h-1#") for b in st.requests)  # never sent
+
+
+def test_26_14_a_failed_load_leaves_mixed_weights_and_the_client_stops_until_a_full_load(standin, model_dir):
+    """0.5.23 loads each bucket when it arrives and rolls nothing back (weight_updater.py): a load that
+    fails at bucket 2 leaves bucket 1 applied. The client then refuses to generate (the weights are no
+    version) until a full set is loaded. The client as it was sampled on, tagging the mixed weights
+    with the old version (this test failed)."""
+    from tests.test_torch_engine import teacher_forced
+
+    w1 = halves(perturbed(model_dir))
+    bad = [w1[0], {**w1[1], "model.no_such_weight": torch.zeros(1)}]
+    probe = np.array([3, 9, 9, 4, 11, 12], np.int64)
+
+    async def main():
+        eng = client(standin.url)
+        await eng.start()
+        try:
+            with pytest.raises(SGLangError, match="is not a parameter"):
+                await eng.update_weights(bad, version=60)
+            with pytest.raises(SGLangError, match="weights are a mix of versions"):
+                await eng.generate(req("m-0#", 4))
+            await raw_post(standin.url, "/flush_cache", {})
+            status, text = await raw_post(standin.url, "/generate", {
+                "input_ids": probe.tolist(), "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 1}})
+            await eng.update_weights(halves(original(model_dir)), version=61)
+            return json.loads(text), await eng.generate(req("m-1#", 4))
+        finally:
+            await eng.shutdown()
+
+    mixed_reply, after = asyncio.run(main())
+    out = np.asarray(mixed_reply["output_ids"])
+    lps = np.asarray([lp for lp, *_ in mixed_reply["meta_info"]["output_token_logprobs"]])
+    mixed = {**original(model_dir), **w1[0]}
+    np.testing.assert_allclose(lps, teacher_forced(model_dir, mixed, probe, out), atol=1e-4)  # bucket 1 only
+    assert set(after.versions.tolist()) == {61}
+
+
+def test_26_14_the_standin_pauses_aborts_and_validates_as_0_5_23(standin, model_dir):
+    """Stand-in rules (no client involved): a pause with mode=abort aborts what runs and stays paused
+    until /continue_generation (tokenizer_manager.py pause_generation); a str field given an int is 400
+    (io_struct.py, http_server.py validation_exception_handler); a payload naming a global outside
+    SGLang's allow-list is refused (utils/common.py SafeUnpickler)."""
+    import base64
+    import os
+    import pickle
+
+    class Unsafe:
+        def __reduce__(self):
+            return os.getpid, ()
+
+    standin.wait_ready()
+
+    def gen(rid: str, n: int) -> dict:
+        return {"input_ids": PROMPT.tolist(), "rid": rid, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+
+    async def main():
+        long = asyncio.create_task(raw_post(standin.url, "/generate", gen("p-0#", 400)))
+        while "p-0#" not in standin.state.live:
+            await asyncio.sleep(0.005)
+        await raw_post(standin.url, "/pause_generation", {"mode": "abort"})
+        aborted = json.loads((await long)[1])["meta_info"]["finish_reason"]["type"]
+        late = asyncio.create_task(raw_post(standin.url, "/generate", gen("p-1#", 3)))
+        await asyncio.sleep(0.3)
+        held = not late.done()
+        await raw_post(standin.url, "/continue_generation", {})
+        late_status = (await late)[0]
+        int_version = await raw_post(standin.url, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": 3})
+        await raw_post(standin.url, "/begin_weight_update", {})
+        payload = base64.b64encode(pickle.dumps([("x", Unsafe())])).decode()
+        unsafe = await raw_post(standin.url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+        await raw_post(standin.url, "/end_weight_update", {})
+        return aborted, held, late_status, int_version, unsafe
+
+    aborted, held, late_status, int_version, unsafe = asyncio.run(main())
+    assert aborted == "abort" and held and late_status == 200
+    assert int_version[0] == 400 and "weight_version" in int_version[1]
+    assert unsafe[0] == 400 and "Blocked unsafe global (posix.getpid)" in unsafe[1]

@@ -165,3 +165,32 @@ def test_nccl_transport_needs_gpus():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA GPUs and an engine that joins the broadcast group")
     pytest.skip("exercised by the GPU recipe with SGLang engines")
+
+
+def test_generation_actor_awaits_object_store_buckets_without_a_blocking_ray_get(ray_cluster, model_path):
+    """Issue 26 item 17: every run logged "Using blocking ray.get inside async actor": iter_buckets did a
+    ray.get per bucket inside the generation actor (on the torch engine's thread, which Ray counts the
+    same). Now the actor awaits each ObjectRef; the engine gets the buckets already fetched."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from actors.generation import GenerationActor
+    from async_april.config import load_config
+
+    class Probed(GenerationActor):
+        def ray_warned_blocking_get(self) -> bool:
+            import ray._private.worker as worker  # the flag Ray sets when it logs the warning (worker.py get)
+
+            return bool(getattr(worker, "blocking_get_inside_async_warned", False))
+
+    sd = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    sd = {k: v + 0.01 for k, v in sd.items()}
+    refs = [ray.put(b) for b in bucketize(sd, 0.05)]
+    actor = ray.remote(num_cpus=0)(Probed).remote(load_config(None, ["rollout.engine=torch"]), "gen0", None, model_path)
+    try:
+        ray.get(actor.start.remote())
+        ray.get(actor.update_weights.remote(refs, 7))
+        assert ray.get(actor.version.remote()) == 7
+        assert not ray.get(actor.ray_warned_blocking_get.remote())
+    finally:
+        ray.kill(actor)

@@ -64,7 +64,7 @@ def make_engine(
               "port_range": s.port_range, "deterministic": s.deterministic, "launch_module": s.launch_module,
               "startup_timeout_s": s.startup_timeout_s, "request_timeout_s": s.request_timeout_s, "retries": s.retries,
               "temperature": r.temperature, "weight_update_mode": SGLANG_UPDATE_MODE[cfg.weight_sync.transport],
-              **overrides}
+              "in_flight_updates": r.on_weight_update == "continue", **overrides}
         return SGLangEngine(model_path, url=s.url, version=version, **kw)
     if kind == "simulated":
         from actors.engines.simulated import SimulatedEngine

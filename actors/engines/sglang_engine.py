@@ -1,32 +1,16 @@
 """SGLang engine: an HTTP client for an SGLang 0.5.23 server (launched here, one per actor, or at a URL).
 
-Written against SGLang 0.5.23's source (paths under sglang/srt/); docs/engines.md has the
-per-route conformance table and the test that shows each row.
-
-  GET  /health                          readiness: 503 while the server starts (entrypoints/http_server.py
-                                        health_generate); /get_model_info answers earlier, so it is not used
-  GET  /server_info (/get_server_info)  the answering server's resolved args: its port and tp_size must be ours
-  POST /generate                        {input_ids, sampling_params{temperature, top_p, top_k, max_new_tokens,
-                                         stop_token_ids, sampling_seed}, return_logprob: true, rid}; every
-                                        reply is validated (SGLangError naming the field)
-  POST /abort_request                   {abort_all: true}
-  POST /pause_generation {mode: retract} / /continue_generation: the gate around a weight update, so no
-                                        request decodes between buckets (managers/scheduler.py pause_generation;
-                                        retract also lets the post-update flush run, scheduler.py flush_cache)
-  POST /pause_generation {mode: in_place}: rollout.on_weight_update=continue. Running requests stay in the
-                                        running batch with their KV cache (scheduler.py pause_generation), every
-                                        bucket goes with flush_cache=false (a flush is refused while they run:
-                                        weight_updater.py flush_cache_after_weight_update), and after
-                                        /continue_generation they decode on with the new weights; the version
-                                        change is recorded on each live request (scheduler.py
-                                        record_weight_version_change), so its reply's spans split at the load
-  POST /begin_weight_update, /end_weight_update: the session tensor and distributed updates must run in
-                                        (managers/scheduler_components/weight_updater.py); a server without
-                                        these routes (older 0.5, 404) is updated without a session
-  POST /update_weights_from_tensor      {serialized_named_tensors: one entry per TP rank, flush_cache, weight_version}
-  POST /update_weights_from_disk        {model_path, weight_version} (no session)
-  POST /init_weights_update_group, /update_weights_from_distributed (NCCL, inside a session)
-  POST /update_weight_version           {new_version}: an attached server is told our starting version
+Written against SGLang 0.5.23's source (paths under sglang/srt/); docs/engines.md has the per-route
+conformance table (what is sent, what the server does, the test that shows it). In short:
+/health (503 while starting) and /server_info (our port, tp size, seed handling, context limits and,
+for rollout.on_weight_update=continue, the two launch flags it needs: sglang_server.py) at start;
+/generate with input_ids and return_logprob, every reply validated (sglang_wire.py);
+/abort_request {abort_all}; a weight update is gated by /pause_generation (retract, or in_place for
+continue) ... /continue_generation around a /begin_weight_update ... /end_weight_update session, with
+buckets through /update_weights_from_tensor (one entry per TP rank), /update_weights_from_disk or
+/init_weights_update_group + /update_weights_from_distributed (NCCL); /update_weight_version tells an
+attached server our starting version. HTTP and retries: sglang_http.py; ports and processes:
+sglang_process.py.
 
 Versions: 0.5.23 reports `meta_info.weight_versions`, spans [start, end) of output tokens and the
 weight version that produced them; each token is tagged from its span. A reply whose spans do not
@@ -38,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -49,30 +32,19 @@ from contextlib import asynccontextmanager
 from typing import Any, Iterable
 
 import aiohttp
+import numpy as np
 
 from actors.engine import EngineStats, GenerateRequest, GenerateResult, WeightBucket
-from actors.engines.sglang_process import claim_port, listener_pid, process_tree
+from actors.engines.sglang_http import SGLangHTTP
+from actors.engines.sglang_process import claim_port, launch_module_error, listener_pid, process_tree
+from actors.engines.sglang_server import (IN_FLIGHT_FLAGS, ContextLimits, check_server_info, in_flight_problem,
+                                          original_logprob_env_error)
 from actors.engines.sglang_wire import SGLangError, json_object, parse_generate_response, serialize_named_tensors
 
-
-ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
-"""Set to 1/true, SGLang reports logprobs before temperature scaling (srt/layers/sampler.py)."""
+__all__ = ["SGLangEngine", "SGLangError", "original_logprob_env_error"]
 
 
-def original_logprob_env_error(temperature: float, env: dict[str, str] | None = None) -> str | None:
-    """Why this environment would make SGLang's logprobs wrong for us, or None.
-
-    We need log_softmax(logits / T): the behaviour policy's. With the variable set SGLang reports
-    log_softmax(logits), which at T != 1 biases every importance weight without any error."""
-    value = (os.environ if env is None else env).get(ORIGINAL_LOGPROB_ENV, "")
-    if value.strip().lower() in ("1", "true", "yes", "on") and temperature != 1.0:
-        return (f"{ORIGINAL_LOGPROB_ENV}={value} makes SGLang report logprobs before temperature scaling, but "
-                f"rollout.temperature={temperature:g}: the recorded behaviour logprobs would be wrong; unset "
-                f"{ORIGINAL_LOGPROB_ENV} (or use rollout.temperature=1)")
-    return None
-
-
-class SGLangEngine:
+class SGLangEngine(SGLangHTTP):
     """`Engine` over SGLang's HTTP API. With `url=None`, `start()` launches `launch_module` on loopback
     on a port of its own from `port_range`."""
 
@@ -95,6 +67,7 @@ class SGLangEngine:
         temperature: float = 1.0,
         sampling_overrides: dict[str, Any] | None = None,
         version: int = 0,
+        in_flight_updates: bool = False,
     ) -> None:
         if url is None and model_path is None:
             raise ValueError("SGLangEngine needs url (a running server) or model_path (to launch one)")
@@ -123,6 +96,19 @@ class SGLangEngine:
         """Whether the server has /begin_weight_update (0.5.23); None until first asked."""
         self.startup_note = ""
         self.group_name = "async_april_weights"
+        self._group_joined = False
+        self.in_flight_updates = in_flight_updates
+        """rollout.on_weight_update=continue: launch with IN_FLIGHT_FLAGS, and refuse a server without them."""
+        self._server_info: dict | None = None
+        self._limits: ContextLimits | None = None
+        self._open = asyncio.Event()
+        """Clear while this client updates the server's weights: new requests wait here, not at the server's
+        pause gate, where an abort cannot reach them (tokenizer_manager.py: the gate is before the scheduler)."""
+        self._open.set()
+        self._aborts = 0
+        """abort_all calls so far: a request still waiting at `_open` when one comes returns as aborted."""
+        self._weights_unknown: str | None = None
+        """Why the server's weights are unknown (a load failed part way; SGLang does not roll back), or None."""
 
     @property
     def version(self) -> int:
@@ -142,6 +128,8 @@ class SGLangEngine:
         await self._check_server()
 
     def _launch(self) -> None:
+        if why := launch_module_error(self.launch_module):
+            raise SGLangError(why)
         self.port, self._port_lock = claim_port(*self.port_range)
         fd, self._log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
         self._proc = subprocess.Popen(self.launch_command(self.port), stdout=fd, stderr=subprocess.STDOUT,
@@ -158,6 +146,8 @@ class SGLangEngine:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.deterministic:  # without it SGLang ignores sampling_seed
             cmd += ["--enable-deterministic-inference"]
+        if self.in_flight_updates:  # see IN_FLIGHT_FLAGS: what continue costs is in docs/async.md
+            cmd += list(IN_FLIGHT_FLAGS)
         return cmd + self.extra_args
 
     async def _wait_healthy(self) -> None:
@@ -190,32 +180,16 @@ class SGLangEngine:
             if owner is not None and owner not in process_tree(self._proc.pid):
                 raise SGLangError(f"port {self.port} is answered by process {owner}, not by the SGLang server this actor "
                                   f"launched (pid {self._proc.pid}); another server holds the port")
-        info = await self._get_json("/server_info", "/get_server_info")
+        info = self._server_info = await self._get_json("/server_info", "/get_server_info")
         if info is not None:
-            if self._proc is not None and info.get("port") not in (None, self.port):
-                raise SGLangError(f"{self.url}/server_info reports port {info.get('port')}, not {self.port}: not our server")
-            tp = info.get("tp_size")
-            if tp is not None and int(tp) != self.tp_size:
-                raise SGLangError(f"the server at {self.url} runs tp_size {tp} but rollout.sglang.tp_size={self.tp_size}; "
-                                  "weight payloads carry one entry per TP rank, so set them equal")
-            if self.deterministic and info.get("enable_deterministic_inference") is False:
-                raise SGLangError(f"the server at {self.url} runs without --enable-deterministic-inference, so it would "
-                                  "ignore sampling_seed; restart it with that flag or set rollout.sglang.deterministic=false")
+            check_server_info(info, self.url, port=self.port if self._proc is not None else None, tp_size=self.tp_size,
+                              deterministic=self.deterministic)
+        self._limits = ContextLimits.from_server_info(info)
+        if self.in_flight_updates and (why := in_flight_problem(info, self.url)):
+            raise SGLangError(why)
         model = await self._get_json("/model_info", "/get_model_info")
         if model is not None and model.get("weight_version") not in (None, str(self._version)):
             await self._post_ok("/update_weight_version", {"new_version": str(self._version), "abort_all_requests": False})
-
-    async def _get_json(self, *paths: str) -> dict | None:
-        """The first of `paths` that answers 200 with a JSON object; None when none exists (404)."""
-        for path in paths:
-            async with self._session.get(self.url + path) as r:
-                if r.status == 404:
-                    continue
-                text = await r.text()
-                if r.status != 200:
-                    raise SGLangError(f"GET {path} -> HTTP {r.status}: {text[:500]}")
-                return json_object(text, f"GET {path}")
-        return None
 
     def _log_tail(self, n: int = 30) -> str:
         if not self._log_path or not os.path.exists(self._log_path):
@@ -229,6 +203,8 @@ class SGLangEngine:
         try:
             if self._inflight:
                 await self.abort_all()
+            if self._group_joined:  # a later run or a restarted actor joins a group of the same name
+                await self._destroy_group()
         finally:
             await self._session.close()
             self._session = None
@@ -243,38 +219,6 @@ class SGLangEngine:
                 self._port_lock.close()
                 self._port_lock = None
 
-    # ------------------------------------------------------------------ HTTP with retries
-    async def _post(self, path: str, payload: dict | None = None, *, retry: bool = True) -> Any:
-        """POST and return the parsed JSON (or the text of a non-JSON 200); SGLangError on any other status."""
-        status, text = await self._post_raw(path, payload, retry=retry)
-        if status != 200:
-            raise SGLangError(f"POST {path} -> HTTP {status}: {text[:500]}")
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
-
-    async def _post_ok(self, path: str, payload: dict | None = None) -> dict:
-        """POST a control call; its JSON reply must not say success=false."""
-        out = await self._post(path, payload)
-        if isinstance(out, dict) and out.get("success") is False:
-            raise SGLangError(f"POST {path} failed on the server: {out.get('message', out)}")
-        return out if isinstance(out, dict) else {}
-
-    async def _post_raw(self, path: str, payload: dict | None, *, retry: bool = True) -> tuple[int, str]:
-        if self._session is None:
-            raise RuntimeError(f"SGLangEngine.start() must be awaited before {path}")
-        attempts = self.retries + 1 if retry else 1
-        for attempt in range(attempts):
-            try:
-                async with self._session.post(self.url + path, json=payload or {}) as r:
-                    return r.status, await r.text()
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                if attempt + 1 >= attempts:
-                    raise SGLangError(f"POST {self.url}{path} failed after {attempts} attempts: {type(e).__name__}: {e}") from e
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
-
     # ------------------------------------------------------------------ generation
     def _tick(self) -> None:
         """Account the time since the last tick as busy (requests were in flight) or idle."""
@@ -286,12 +230,23 @@ class SGLangEngine:
         self._t_last = now
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._weights_unknown:
+            raise SGLangError(self._weights_unknown)
+        aborts = self._aborts
+        await self._open.wait()
+        n_in = len(request.input_ids)
+        max_new = int(request.sampling.max_new_tokens)
+        if self._limits is not None:  # what the server would cap or refuse (sglang_server.ContextLimits)
+            max_new = self._limits.max_new_tokens(n_in, request.prompt_len, max_new, self.url)
+        if aborts != self._aborts or max_new == 0:  # aborted while waiting, or no room left: nothing to send
+            return GenerateResult(request.request_id, np.zeros(0, np.int64), np.zeros(0, np.float32),
+                                  np.zeros(0, np.int64), "abort" if aborts != self._aborts else "length", n_in)
         sp = request.sampling
         # SGLang's scheduler aborts by rid prefix: a fixed-width counter plus '#' is never a prefix of another live rid.
         rid = f"{request.request_id}@{next(self._rid):012d}#"
         params: dict[str, Any] = {
             "temperature": float(sp.temperature), "top_p": float(sp.top_p), "top_k": int(sp.top_k),
-            "max_new_tokens": int(sp.max_new_tokens), "stop_token_ids": [int(t) for t in sp.stop_token_ids] or None,
+            "max_new_tokens": max_new, "stop_token_ids": [int(t) for t in sp.stop_token_ids] or None,
         }
         if sp.seed is not None and self.deterministic:
             params["sampling_seed"] = int(sp.seed)
@@ -317,10 +272,17 @@ class SGLangEngine:
 
     async def abort_all(self) -> None:
         aborted = set(self._inflight)  # a request sent after this call is not aborted: never wait for it
+        self._aborts += 1
         await self._post("/abort_request", {"abort_all": True})
-        # Aborted /generate calls return with their partial output; wait until they have.
-        deadline = time.monotonic() + 30
-        while any(rid in self._inflight for rid in aborted) and time.monotonic() < deadline:
+        # Aborted /generate calls return with their partial output; wait until they have. Paused in place
+        # (our update running), the server returns them only after /continue_generation (scheduler.py
+        # abort_request marks running requests to_finish), so the 30 s count starts when we reopen.
+        deadline = None
+        while any(rid in self._inflight for rid in aborted):
+            if self._open.is_set():
+                deadline = deadline or time.monotonic() + 30
+                if time.monotonic() > deadline:
+                    break
             await asyncio.sleep(0.01)
 
     async def flush_cache(self) -> None:
@@ -333,21 +295,34 @@ class SGLangEngine:
         """Pause so no request decodes between buckets; open a weight-update session for tensor/distributed
         loads; always close it and continue afterwards. `retract` (after an abort or drain) lets the final
         flush run; `in_place` (in_flight) keeps the running requests and their KV cache for after the load.
-        Without in_flight, what this client still has running is aborted first (callers abort or drain anyway)."""
-        if self._inflight and not in_flight:
-            await self.abort_all()
-        await self._post_ok("/pause_generation", {"mode": "in_place" if in_flight else "retract"})
-        opened = False
+        Without in_flight, what this client still has running is aborted first (callers abort or drain anyway).
+        A load that fails part way leaves the server's weights unknown: generate refuses until a full load."""
+        if in_flight and (why := in_flight_problem(self._server_info, self.url)):
+            raise SGLangError(why)
+        self._open.clear()
         try:
-            if session:
-                opened = await self._begin_session()
-            yield
-        finally:
+            if self._inflight and not in_flight:
+                await self.abort_all()
+            await self._post_ok("/pause_generation", {"mode": "in_place" if in_flight else "retract"})
+            opened = False
             try:
-                if opened:
-                    await self._post_ok("/end_weight_update", {})
+                if session:
+                    opened = await self._begin_session()
+                yield
+                self._weights_unknown = None
+            except BaseException as e:
+                self._weights_unknown = (f"a weight load on {self.url} failed part way ({e}); SGLang keeps what it loaded "
+                                         "(no rollback), so its weights are a mix of versions: load a full set again or "
+                                         "restart the server")
+                raise
             finally:
-                await self._post_ok("/continue_generation", {})
+                try:
+                    if opened:
+                        await self._post_ok("/end_weight_update", {})
+                finally:
+                    await self._post_ok("/continue_generation", {})
+        finally:
+            self._open.set()
 
     async def _begin_session(self) -> bool:
         if self._has_sessions is False:
@@ -398,11 +373,23 @@ class SGLangEngine:
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, backend: str = "nccl") -> None:
         """Step 1 of the NCCL path: the server's TP ranks join a process group with the learner (rank 0)
-        as ranks rank_offset .. rank_offset + tp_size - 1."""
+        as ranks rank_offset .. rank_offset + tp_size - 1. A group of our name left by an earlier run (a
+        server at rollout.sglang.url outlives us) is destroyed first: torch refuses a second group of one
+        name (distributed_c10d.py _new_process_group_helper)."""
+        await self._destroy_group()
+        self._group_joined = True
         await self._post_ok("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": self.group_name, "backend": backend,
         })
+
+    async def _destroy_group(self) -> None:
+        """POST /destroy_weights_update_group (http_server.py; model_runner_components/weight_updater.py
+        destroy_weights_update_group): 400 "does not exist" when there is none, 404 on servers before it."""
+        status, text = await self._post_raw("/destroy_weights_update_group", {"group_name": self.group_name})
+        self._group_joined = False
+        if status not in (200, 404) and "does not exist" not in text:
+            raise SGLangError(f"POST /destroy_weights_update_group -> HTTP {status}: {text[:500]}")
 
     async def update_weights_from_distributed(self, plan: list[tuple[list[str], list[str], list[list[int]]]], version: int,
                                               in_flight: bool = False) -> None:

@@ -37,6 +37,24 @@ def claim_port(low: int, high: int) -> tuple[int, Any]:
     raise SGLangError(f"no free port in rollout.sglang.port_range [{low}, {high}]; widen it")
 
 
+def launch_module_error(module: str) -> str | None:
+    """Why `python -m module` cannot start here, or None. sglang 0.5.23 installs only on Python >= 3.11
+    with glibc >= 2.34 (cp311-cp313 manylinux_2_34 wheels), so the `gpu` extra leaves it out elsewhere."""
+    import importlib.util
+    import platform
+    import sys
+
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except ModuleNotFoundError:  # its package is missing
+        pass
+    libc, ver = platform.libc_ver()
+    here = f"Python {platform.python_version()}" + (f", {libc} {ver}" if libc else "")
+    return (f"rollout.sglang.launch_module={module} is not importable by {sys.executable} ({here}): install the "
+            "gpu extra (pip install -e '.[gpu]'); sglang 0.5.23 needs Python >= 3.11 and glibc >= 2.34")
+
+
 def listener_pid(port: int) -> int | None:
     """The process listening on 127.0.0.1:`port`, when the OS lets us see it."""
     import psutil

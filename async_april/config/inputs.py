@@ -15,7 +15,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for engines and learner. bfloat16 is for GPUs."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel passed to transformers. flash_attention_2 needs the `gpu` extra."""
+    """Attention kernel passed to transformers. flash_attention_2 needs FlashAttention 2 (`pip install flash-attn --no-build-isolation` after the `gpu` extra: README), not the flash-attn-4 that sglang installs."""
     cache_dir: str = "~/.cache/async_april"
     """Where built-in models are built and cached."""
 

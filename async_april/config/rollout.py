@@ -87,7 +87,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling. Below 1 the recorded logprobs are not those of the sampled distribution (see docs)."""
     top_k: int = Field(-1, ge=-1)
-    """Top-k sampling, -1 for off. Same caveat as `top_p`."""
+    """Top-k sampling: -1 for off, else at least 1 (SGLang refuses 0: sampling_params.py `SamplingParams.verify`). Same caveat as `top_p`."""
     concurrency: int = Field(64, ge=1)
     """Requests in flight per engine."""
     max_batch_tokens: int = Field(8192, ge=16)
@@ -131,7 +131,9 @@ class RolloutConfig(Section):
         raise ValueError(f"rollout.over_provision must be a number in [1, 64] or `auto` (got {value!r})")
 
     @model_validator(mode="after")
-    def _check_tp(self) -> "RolloutConfig":
+    def _check(self) -> "RolloutConfig":
+        if self.top_k == 0:  # SGLang 0.5.23 answers every request with 400 (sampling/sampling_params.py verify)
+            raise ValueError("rollout.top_k=0 is not a setting: use rollout.top_k=-1 for no top-k, or a value >= 1")
         s = self.sglang
         if self.engine == "sglang" and s.url is None and s.tp_size > 1 and self.gpus_per_actor < s.tp_size:
             raise ValueError(f"rollout.sglang.tp_size={s.tp_size} needs rollout.gpus_per_actor >= {s.tp_size} "
