@@ -1,5 +1,9 @@
 """SGLang engine: an HTTP client for an SGLang 0.5.23 server (launched here, one per actor, or at a URL).
 
+A little over 400 lines: one client whose routes (generate, abort, pause, the weight-update session)
+share the update gate and its error handling; server checks and HTTP helpers are already apart
+(sglang_server.py, sglang_http.py).
+
 Written against SGLang 0.5.23's source (paths under sglang/srt/); docs/engines.md has the per-route
 conformance table (what is sent, what the server does, the test that shows it). In short:
 /health (503 while starting) and /server_info (our port, tp size, seed handling, context limits and,

@@ -1,5 +1,8 @@
 """Built-in engine: continuous batching over a transformers causal LM with a KV cache.
 
+A little over 400 lines: one worker loop and the state it owns (its tensor operations are
+torch_batch.py); splitting the loop would spread the row bookkeeping over two files.
+
 Thread model: one worker thread owns the model and runs the loop below; the
 asyncio side only enqueues work and awaits futures, so the actor stays
 responsive to `abort_all` / `update_weights` while a forward pass runs.
