@@ -7,6 +7,12 @@
               replacement that loads the learner's current weights and version before it leases
               (up to rollout.max_actor_restarts for the whole run; then the others carry on).
               A RewardError (reward.on_error=stop) is not an actor fault: the run stops with it.
+              A replacement the cluster has no room for (its node is gone) waits as *pending*, with a
+              message, and joins once Ray places it.
+    elastic (rollout.max_actors): check() also starts pending actors whenever the nodes that
+              placement.generation allows have room (a node joined), up to max_actors; a pending one
+              joins the run once its engine started and loaded the current weights. A lost node's
+              actors are replaced only where there is room, so the pool shrinks instead of failing.
 
 The controller calls `wait_for_batch`, `call_all` and `push_weights` instead of
 touching actor handles, so a death at any point of the step is handled here.
@@ -15,6 +21,7 @@ touching actor handles, so a death at any point of the step is handled here.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from async_april.config import Config
@@ -25,6 +32,10 @@ log = logging.getLogger(__name__)
 TOTAL_KEYS = ("perf/engine_busy_s", "perf/engine_idle_s", "perf/engine_generated_tokens", "rollout/inflight", "rollout/reward_errors",
               "rollout/reprefill_tokens", "perf/engine_batch_rows", "perf/engine_batch_capacity",
               "perf/engine_kv_slots", "perf/engine_kv_pad_slots")
+
+
+PENDING_NOTE_S = 10.0
+"""A pending actor not placed after this long is reported as waiting for capacity."""
 
 
 class NoGenerationActorsError(RuntimeError):
@@ -44,6 +55,12 @@ class ActorPool:
         self.restarts = 0
         self.failures = 0
         self._next = 0
+        self.pending: dict[str, tuple[Any, Any, float]] = {}
+        """Actors started but not yet running: id -> (handle, start() ref, when it was asked for)."""
+        self.started_elastic = 0
+        self.events: list[dict[str, Any]] = []
+        """Joins and losses (placement.json): {"t", "event", "actor"}."""
+        self._looping = False
         self._last: dict[str, dict[str, float]] = {}
         """Latest metrics per actor ever started (a dead one keeps its final numbers, in flight 0)."""
 
@@ -78,16 +95,84 @@ class ActorPool:
         return "; ".join(n for n in notes if n)
 
     def _spawn(self) -> str:
+        actor_id, handle = self._new_actor()
+        self.actors[actor_id] = handle
+        return actor_id
+
+    def _new_actor(self) -> tuple[str, Any]:
         import ray
 
         from actors.generation import GenerationActor
+        from async_april.placement import actor_options
 
         actor_id = f"gen{self._next}"
         self._next += 1
-        self.actors[actor_id] = ray.remote(GenerationActor).options(
+        handle = ray.remote(GenerationActor).options(
             num_cpus=1, num_gpus=self.cfg.rollout.gpus_per_actor, max_concurrency=1000,
+            **actor_options(self.cfg.placement.generation),
         ).remote(self.cfg, actor_id, self.store, self.model_path)
+        return actor_id, handle
+
+    @property
+    def elastic(self) -> bool:
+        return self.cfg.rollout.max_actors is not None
+
+    def room(self) -> int:
+        """Generation actors the allowed nodes have room for now."""
+        from async_april.placement import room_for
+
+        return room_for(self.cfg.placement.generation, 1.0, self.cfg.rollout.gpus_per_actor)
+
+    def _start_pending(self, why: str) -> str:
+        actor_id, handle = self._new_actor()
+        self.pending[actor_id] = (handle, handle.start.remote(), time.monotonic())
+        self.events.append({"t": time.time(), "event": f"pending ({why})", "actor": actor_id})
         return actor_id
+
+    def _poll_pending(self) -> int:
+        """Pending actors whose engine started join the run (current weights first); returns how many."""
+        import ray
+
+        joined = 0
+        for actor_id, (handle, ref, since) in list(self.pending.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                if time.monotonic() - since > PENDING_NOTE_S and not getattr(self, "_noted", {}).get(actor_id):
+                    self.__dict__.setdefault("_noted", {})[actor_id] = True
+                    log.warning("generation actor %s is waiting for capacity (no node that placement.generation=%s "
+                                "allows has 1 CPU%s free); it joins once one has", actor_id, self.cfg.placement.generation,
+                                f" and {self.cfg.rollout.gpus_per_actor:g} GPU" if self.cfg.rollout.gpus_per_actor else "")
+                continue
+            del self.pending[actor_id]
+            try:
+                ray.get(ref)
+                self.actors[actor_id] = handle
+                self._pin([actor_id])
+                if self.load_weights is not None:
+                    self.load_weights([handle])  # current weights + version BEFORE any lease
+            except Exception as e:  # noqa: BLE001 - its node went away while it started: forget it
+                self.actors.pop(actor_id, None)
+                ray.kill(handle, no_restart=True)
+                log.warning("pending generation actor %s did not start (%s)", actor_id, _short(e))
+                continue
+            if self._looping:
+                self.loops[actor_id] = handle.run.remote()
+            self.events.append({"t": time.time(), "event": "joined", "actor": actor_id})
+            log.warning("generation actor %s joined the run (%d running)", actor_id, len(self.actors))
+            joined += 1
+        return joined
+
+    def grow(self) -> int:
+        """Elastic rollout: start pending actors where there is room, up to rollout.max_actors; returns
+        how many were asked for. One round at a time: Ray's free-resource view lags a placement."""
+        if not self.elastic or self.pending:
+            return 0
+        want = self.cfg.rollout.max_actors - len(self.actors)
+        n = min(want, self.room()) if want > 0 else 0
+        for _ in range(n):
+            self._start_pending("elastic: room on the cluster")
+            self.started_elastic += 1
+        return n
 
     def _pin(self, actor_ids: list[str]) -> None:
         import ray
@@ -96,6 +181,7 @@ class ActorPool:
             ray.get([self.actors[i].pin_cpus.remote((self.cpu_plan.engine_core(int(i.removeprefix("gen"))),)) for i in actor_ids])
 
     def start_loops(self) -> None:
+        self._looping = True
         for i, a in self.actors.items():
             if i not in self.loops:
                 self.loops[i] = a.run.remote()
@@ -113,9 +199,10 @@ class ActorPool:
                 ray.get(r, timeout=60)
             except Exception as e:  # noqa: BLE001 - a dying actor must not block shutdown
                 log.warning("generation actor did not stop cleanly: %r", e)
-        for a in self.actors.values():
+        for a in list(self.actors.values()) + [h for h, _, _ in self.pending.values()]:
             ray.kill(a)
         self.actors.clear()
+        self.pending.clear()
         self.loops.clear()
 
     def kill(self, actor_id: str) -> None:
@@ -129,20 +216,25 @@ class ActorPool:
         """Handle every actor whose loop has ended; returns how many were handled."""
         import ray
 
-        if not self.loops:
-            return 0
-        done, _ = ray.wait(list(self.loops.values()), timeout=0, num_returns=len(self.loops))
-        dead = [i for i, ref in self.loops.items() if ref in done]
+        dead = []
+        if self.loops:
+            done, _ = ray.wait(list(self.loops.values()), timeout=0, num_returns=len(self.loops))
+            dead = [i for i, ref in self.loops.items() if ref in done]
         for actor_id in dead:
             self._handle_death(actor_id, self.loops.pop(actor_id))
+        joined = self._poll_pending() if self.pending else 0
+        if self._looping:
+            self.grow()
         if dead:
-            if not self.actors:
+            if not self.actors and not self.pending and not self.elastic:
                 raise NoGenerationActorsError(
                     f"every generation actor has died ({self.failures} failures, {self.restarts} restarts, "
                     f"rollout.max_actor_restarts={self.cfg.rollout.max_actor_restarts}); no batch can complete. "
                     "See the errors above; raise rollout.max_actor_restarts or fix the engine")
+            if not self.actors:
+                log.warning("no generation actor is running; waiting for capacity (%d pending)", len(self.pending))
             self.start_loops()
-        return len(dead)
+        return len(dead) + joined
 
     def _handle_death(self, actor_id: str, loop_ref) -> None:
         import ray
@@ -164,11 +256,19 @@ class ActorPool:
         if actor_id in self._last:
             self._last[actor_id]["rollout/inflight"] = 0.0
         log.warning("generation actor %s died (%s); %d leased samples returned to the store", actor_id, reason, released)
+        self.events.append({"t": time.time(), "event": f"died ({reason})", "actor": actor_id})
+        if self.elastic:  # grow() replaces it where there is room: the pool shrinks rather than waits
+            return
         if self.restarts >= self.cfg.rollout.max_actor_restarts:
             log.warning("not restarting %s: rollout.max_actor_restarts=%d reached; continuing on %d actor(s)",
                         actor_id, self.cfg.rollout.max_actor_restarts, len(self.actors))
             return
         self.restarts += 1
+        if self.room() < 1:  # its node is gone and the others are full: start it when Ray can place it
+            new_id = self._start_pending(f"replaces {actor_id}")
+            log.warning("%s will replace %s once a node has room (restart %d of %d)", new_id, actor_id,
+                        self.restarts, self.cfg.rollout.max_actor_restarts)
+            return
         new_id = self._spawn()
         ray.get(self.actors[new_id].start.remote())
         self._pin([new_id])
@@ -268,7 +368,8 @@ class ActorPool:
         return {k: float(sum(m.get(k, 0.0) for m in self._last.values())) for k in keys}
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/actor_restarts": self.restarts, "rollout/actors_alive": len(self.actors)}
+        return {"rollout/actor_restarts": self.restarts, "rollout/actors_alive": len(self.actors),
+                "rollout/actors": len(self.actors), "rollout/actors_pending": len(self.pending)}
 
 
 def _short(e: BaseException) -> str:

@@ -1,13 +1,16 @@
 """Driver side of the learner: one Ray actor per FSDP2 rank, in one placement group.
 
     LearnerGroup(cfg, model_path)   returns once the ranks are spawned; they initialise in the background
-      placement group: world_size bundles ({"CPU": 1} or {"GPU": 1, "CPU": 1}), PACK
-      a task on bundle 0 picks (node ip, free port) -> every rank's MASTER_ADDR/PORT
+      placement group: world_size bundles ({"CPU": 1} or {"GPU": 1, "CPU": 1}), placed by
+      placement.learner (PACK by default; SPREAD splits the ranks over nodes)
+      a task on bundle 0 picks (rank 0's node ip, free port) -> every rank's MASTER_ADDR/PORT
       LearnerWorker actor per rank (num_cpus=1, OMP_NUM_THREADS=1)
     train_step(batch) -> every rank gets the same batch ref and takes its shard; rank 0's metrics
     weight_buckets(bucket_mb) -> ObjectRefs put by rank 0 (all ranks gather collectively)
 
-Every method calls all ranks at once (the work is collective) and returns rank 0's answer.
+Every method calls all ranks at once (the work is collective) and returns rank 0's answer. A rank
+whose actor died (its node was lost) raises LearnerLostError at once, without waiting for the
+others (they would wait in a collective for a peer that is gone); the controller decides what next.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ if TYPE_CHECKING:
     from async_april.config import Config
 
 
+class LearnerLostError(RuntimeError):
+    """A learner rank's actor died (process or node lost): the group must be rebuilt from a checkpoint."""
+
+
 def _node_ip_and_free_port() -> tuple[str, int]:
     ip = ray.util.get_node_ip_address()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -44,8 +51,16 @@ class LearnerGroup:
         self.world_size = lc.world_size
         use_gpu = lc.device == "cuda" or (lc.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         bundle = {"GPU": lc.gpus_per_rank, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        from async_april.placement import group_options
+
+        self.pg = placement_group(**group_options(cfg.placement.learner, [dict(bundle) for _ in range(self.world_size)]))
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(f"the learner's {self.world_size} rank(s) ({bundle} each, placement.learner="
+                               f"{cfg.placement.learner}) found no room on the cluster in {ready_timeout_s:g} s; "
+                               "free or add nodes, or change placement.learner") from None
 
         def on(i: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
@@ -71,15 +86,27 @@ class LearnerGroup:
         self._version: int | None = None
         self._specs: list[TensorSpec] | None = None
         self.last_export_bytes = 0
+        self.lost = False
+        """A rank died: the group is unusable (LearnerLostError was raised)."""
 
     def wait_ready(self) -> None:
         """Block until every rank has initialised; raises the first rank's init error."""
         if self._version is None:
+            self._check_alive(self._ready)
             self._version = int(ray.get(self._ready)[0])
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         self.wait_ready()
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        self._check_alive(refs)
+        return ray.get(refs)
+
+    def _check_alive(self, refs: list) -> None:
+        try:
+            _raise_first_death(refs)
+        except LearnerLostError:
+            self.lost = True
+            raise
 
     @property
     def version(self) -> int:
@@ -145,11 +172,26 @@ class LearnerGroup:
         return self._all("export_hf", str(path))[0]
 
     def shutdown(self) -> None:
-        try:
-            self._all("shutdown")
+        try:  # not when a rank is lost: the others may be stuck in a collective with it (killed below)
+            if not self.lost:
+                self._all("shutdown")
         except Exception:  # noqa: BLE001 - a dead rank must not prevent cleanup
             pass
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)
         self.workers = []
+
+
+def _raise_first_death(refs: list) -> None:
+    """Wait for `refs` in completion order; the first from a dead rank raises LearnerLostError."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done)
+        except ray.exceptions.RayActorError as e:
+            text = str(e).strip().splitlines()
+            raise LearnerLostError(f"a learner rank died ({type(e).__name__}: {text[-1] if text else ''})"[:400]) from None
+        except Exception:  # noqa: BLE001 - a rank's own error is raised by the caller's ray.get, in rank order
+            return

@@ -11,6 +11,7 @@ naming the key, the value and what is allowed.
     inputs.py   model, data, reward, eval (held-out sets)
     rollout.py  rollout (+ sglang, agent), async (staleness)
     learner.py  algorithm, learner, weight_sync
+    placement.py  placement of each role's actors over a cluster's nodes
     root.py     Config: every section, and the checks that span sections
     loading.py  YAML files, `defaults:` presets, dotted overrides, config.yaml
 
@@ -30,6 +31,7 @@ from async_april.config.loading import (
     read_yaml,
     save_config,
 )
+from async_april.config.placement import PlacementConfig
 from async_april.config.rollout import MOVED_ROLLOUT_KEYS, AgentConfig, AsyncConfig, RolloutConfig, SGLangConfig
 from async_april.config.root import Config
 from async_april.config.run import CheckpointConfig, LoggingConfig, RunConfig
@@ -37,6 +39,6 @@ from async_april.config.run import CheckpointConfig, LoggingConfig, RunConfig
 __all__ = [
     "MOVED_ROLLOUT_KEYS", "OVERRIDES_HELP", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
     "Config", "ConfigError", "DataConfig", "EvalConfig", "EvalDatasetConfig", "LearnerConfig", "LoggingConfig", "LoraConfig",
-    "ModelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "Section", "WeightSyncConfig",
+    "ModelConfig", "PlacementConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "Section", "WeightSyncConfig",
     "apply_overrides", "config_from_dict", "load_config", "parse_override", "read_yaml", "save_config",
 ]

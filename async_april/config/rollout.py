@@ -73,7 +73,9 @@ class RolloutConfig(Section):
     engine: Literal["torch", "sglang", "simulated"] = "torch"
     """Generation backend; see docs/engines.md."""
     num_actors: int = Field(1, ge=1, le=1024)
-    """Generation actors (one engine each)."""
+    """Generation actors (one engine each). A range `MIN-MAX` (e.g. `2-8`) makes rollout elastic: it starts MIN and sets `max_actors` to MAX; `auto` starts one and grows to `max_actors` (which it then needs). Saved as the two numbers."""
+    max_actors: int | None = Field(None, ge=1, le=1024)
+    """Elastic rollout: most generation actors. Between steps the pool starts more whenever the cluster has room for one (a node joined, placement.generation allows it), up to this; an actor lost with its node is replaced only when there is room, so the run shrinks instead of failing. Logged as rollout/actors and rollout/actors_pending. None: fixed at `num_actors` (a lost actor is replaced, up to `max_actor_restarts`)."""
     gpus_per_actor: float = Field(0.0, ge=0.0, le=64.0)
     """GPUs Ray reserves for each generation actor (its engine; an SGLang server with tensor parallelism takes its tp size). 0 on CPU; fractions share a GPU with the learner."""
     batch_groups: int = Field(16, ge=1)
@@ -122,6 +124,26 @@ class RolloutConfig(Section):
                     raise ValueError(f"rollout.{old} has moved: set {new} instead")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _actor_range(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("num_actors"), str):
+            return data
+        value, data = data["num_actors"].strip(), dict(data)
+        lo, sep, hi = value.partition("-")
+        if value == "auto":
+            if data.get("max_actors") is None:
+                raise ValueError("rollout.num_actors=auto grows the pool to rollout.max_actors: set rollout.max_actors too")
+            data["num_actors"] = 1
+        elif sep and lo.strip().isdigit() and hi.strip().isdigit() and 1 <= int(lo) <= int(hi):
+            data["num_actors"], data["max_actors"] = int(lo), int(hi)
+        elif value.isdigit():
+            data["num_actors"] = int(value)
+        else:
+            raise ValueError(f"rollout.num_actors must be an integer, a range `MIN-MAX` with 1 <= MIN <= MAX, or `auto` "
+                             f"(with rollout.max_actors) (got {value!r})")
+        return data
+
     @field_validator("over_provision", mode="before")
     @classmethod
     def _ratio_or_auto(cls, value: Any) -> Any:
@@ -134,6 +156,9 @@ class RolloutConfig(Section):
     def _check(self) -> "RolloutConfig":
         if self.top_k == 0:  # SGLang 0.5.23 answers every request with 400 (sampling/sampling_params.py verify)
             raise ValueError("rollout.top_k=0 is not a setting: use rollout.top_k=-1 for no top-k, or a value >= 1")
+        if self.max_actors is not None and self.max_actors < self.num_actors:
+            raise ValueError(f"rollout.max_actors={self.max_actors} is below rollout.num_actors={self.num_actors}; "
+                             "set max_actors >= num_actors (or leave it unset for a fixed pool)")
         s = self.sglang
         if self.engine == "sglang" and s.url is None and s.tp_size > 1 and self.gpus_per_actor < s.tp_size:
             raise ValueError(f"rollout.sglang.tp_size={s.tp_size} needs rollout.gpus_per_actor >= {s.tp_size} "

@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field, model_validator
 from async_april.config.base import Section
 from async_april.config.inputs import DataConfig, EvalConfig, ModelConfig, RewardConfig
 from async_april.config.learner import AlgorithmConfig, LearnerConfig, WeightSyncConfig
+from async_april.config.placement import PlacementConfig
 from async_april.config.rollout import AsyncConfig, RolloutConfig
 from async_april.config.run import CheckpointConfig, LoggingConfig, RunConfig
 
@@ -42,6 +43,8 @@ class Config(Section):
     """Held-out evaluation during training (docs/evaluation.md)."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics and progress output."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """Where the learner, store, generation and evaluation actors go on a multi-node cluster (docs/cluster.md)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 

@@ -20,6 +20,8 @@ class RunConfig(Section):
     """Seed for data order, sampling and model initialisation."""
     ray_address: str | None = None
     """Ray cluster address. None: join the cluster when run under `ray job submit`, else start an embedded one."""
+    max_restarts: int = Field(2, ge=0, le=100)
+    """Times the run rebuilds itself from its last checkpoint when a learner rank or the rollout store is lost (its node died): learner and store restored, generation actors restarted, the steps since that checkpoint trained again (nothing lost or trained twice). Needs a checkpoint (`checkpoint.every`); beyond it, or without one, the run ends with the command that resumes it."""
     resume: str | None = None
     """Checkpoint to resume from: a path, `auto` (latest in the run directory) or None. A run directory that already holds a run is only reused with this or `overwrite`."""
     overwrite: bool = False

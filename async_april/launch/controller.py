@@ -40,6 +40,7 @@ from async_april.auto_staleness import OffPolicyTuner, StepSignals
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
+from async_april.launch.cluster import PlacementRecord, check_shared_storage, lost_state_errors, resume_command
 from async_april.stopping import GracefulStop, Interrupted
 from async_april.tracking import Tracker
 
@@ -56,7 +57,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     from async_april.launch.resolve import check_gpu_resources, resolve
 
     r = resolve(cfg)
-    cfg, run_dir, resume = r.cfg, r.run_dir.path, r.resume
+    cfg, run_dir = r.cfg, r.run_dir.path
     run_lock, state = rundir.lock(r.run_dir, cfg)  # held until the run ends: a second run here exits 2
     try:
         moved = rundir.prepare(state, cfg)
@@ -65,17 +66,22 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
         save_config(cfg, run_dir)  # secrets masked (async_april/masking.py)
         for line in r.describe():
             say(line)
-        same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
-        controller = resume.controller_state() if resume else {}
-        started_ray, tracker, stop = init_ray(cfg), None, GracefulStop()
+        started_ray, tracker, stop, restarts = init_ray(cfg), None, GracefulStop(), 0
         try:
             check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
-            tracker = Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
-                              elapsed_s=controller.get("time/elapsed_s", 0.0),
-                              wandb_run_id=resume.manifest.wandb_run_id if same_run else None,
-                              checkpoint_row=controller.get("metrics_row"))
-            with stop:
-                run = run_loop(cfg, r, tracker, stop, on_step, learner_factory)
+            if sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
+                say(f"ray: {check_shared_storage(cfg, r.model_path)} nodes see run.dir and the model")
+            while True:
+                tracker = _tracker(cfg, r, run_dir)
+                try:
+                    with stop:
+                        run = run_loop(cfg, r, tracker, stop, on_step, learner_factory, restarts)
+                    break
+                except lost_state_errors() as e:  # a learner rank or the store is gone (its node died)
+                    r, restarts = _restart_or_raise(cfg, e, restarts), restarts + 1
+                    cfg = r.cfg
+                    tracker.close()
+                    tracker = None
         finally:
             if tracker is not None:
                 tracker.close()
@@ -89,25 +95,62 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     return run_dir
 
 
-def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None, learner_factory=None) -> "RunState":
-    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end."""
+def _tracker(cfg: Config, r, run_dir: Path) -> Tracker:
+    resume = r.resume
+    same_run = resume is not None and resume.path.parent.parent == run_dir  # W&B rewinds only this run's own
+    controller = resume.controller_state() if resume else {}
+    return Tracker(cfg, run_dir, resume_step=(resume.step if resume else 0) if cfg.run.resume else None,
+                   elapsed_s=controller.get("time/elapsed_s", 0.0),
+                   wandb_run_id=resume.manifest.wandb_run_id if same_run else None,
+                   checkpoint_row=controller.get("metrics_row"))
+
+
+def _restart_or_raise(cfg: Config, error: BaseException, restarts: int):
+    """The run resolved again from its latest checkpoint (run.max_restarts), or RunStateLost."""
+    from async_april.checkpointing import CheckpointManager
+    from async_april.launch.resolve import resolve
+
+    latest = CheckpointManager(cfg.run_dir).latest_valid()
+    why = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+    if latest is None or restarts >= cfg.run.max_restarts:
+        reason = "no checkpoint to restart from (set checkpoint.every)" if latest is None else \
+            f"run.max_restarts={cfg.run.max_restarts} reached"
+        say(f"run state lost ({why}); {reason}. " + (f"Resume from {latest.path} with: {resume_command(cfg)}"
+                                                    if latest is not None else "Nothing to resume from."))
+        raise RunStateLost(f"a learner rank or the rollout store was lost ({why}); {reason}") from error
+    say(f"run state lost ({why}): restarting from {latest.path} (restart {restarts + 1} of {cfg.run.max_restarts}); "
+        f"steps after {latest.step} are trained again")
+    return resolve(cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": str(latest.path), "overwrite": False})}))
+
+
+class RunStateLost(RuntimeError):
+    """A learner rank or the rollout store was lost and the run could not rebuild itself."""
+
+
+def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None, learner_factory=None,
+             restarts: int = 0) -> "RunState":
+    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end.
+    `restarts`: times the run was rebuilt from a checkpoint after losing a learner rank or the store."""
     import ray
 
     from actors.pool import ActorPool
     from async_april.launch.evaluator import Evaluator
+    from async_april.placement import actor_options
     from async_april.store import RolloutStoreActor
     from learners.group import LearnerGroup
     from learners.weight_sync import WeightSyncer
 
     resume, model_path = r.resume, str(r.model_path)
-    store = ray.remote(RolloutStoreActor).options(num_cpus=0).remote(cfg, r.dataset)
+    # The store holds the run's state between checkpoints: on the driver's node unless placement.store says otherwise.
+    store = ray.remote(RolloutStoreActor).options(num_cpus=0, **actor_options(cfg.placement.store)).remote(cfg, r.dataset)
     # First, so that its engine loads while the learner starts (it dies with this driver if that fails).
     evaluator = Evaluator.create(cfg, model_path, r.eval_sets, resume.step if resume else 0,
                                  resume.controller_state() if resume else None)
     learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
-    run.evaluator = evaluator
+    run.evaluator, run.restarts = evaluator, restarts
+    record = PlacementRecord(cfg)
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
     plan = plan_pinning(cfg)
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
@@ -125,6 +168,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             pool.push_weights(push, learner.version)  # restored weights reach every engine before any generation
         ray.get(store.call.remote("set_version", learner.version))
         pool.start_loops()
+        record.update(store, learner, pool, evaluator, announce=True)  # run.dir/placement.json
         if evaluator is not None and run.step == 0 and cfg.eval.before_first_step:
             evaluator.submit(learner)
         last = pool.totals()
@@ -158,6 +202,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             last = now
             run.step = step
             metrics.update(run.metrics(pool, learner.version))
+            record.update(store, learner, pool, evaluator)  # actors joined or lost: rewritten
             metrics.update({"timing_s/rollout": t_wait, "timing_s/train": t_train, "timing_s/step": step_s})
             if tuner is not None:  # `auto` settings: the next step's, from this one's figures
                 metrics.update(run.tune(tuner, metrics, store))
@@ -179,6 +224,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             evaluator.stop()
         pool.stop()
         learner.shutdown()
+        ray.kill(store)  # a restart builds a new one from the checkpoint
         if plan is not None and driver_cores:
             pin_process(driver_cores)  # the caller's process gets its cores back
     return run
@@ -195,6 +241,8 @@ class RunState:
         self.actor_restarts_before = actor_restarts
         self.last_checkpoint = checkpoint
         self.saved_step = step if checkpoint is not None else -1
+        self.restarts = 0
+        """Times this run rebuilt itself from a checkpoint (run.max_restarts)."""
         self.evaluator = None
         """The run's Evaluator, if it evaluates: its schedule counters are saved with the controller state."""
 
@@ -216,7 +264,8 @@ class RunState:
     def metrics(self, pool, version: int) -> dict[str, float]:
         return {"train/step": self.step, "train/policy_version": version, "train/bad_steps": self.bad_steps,
                 "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
-                "rollout/actors_alive": len(pool.actors)}
+                "rollout/actors_alive": len(pool.actors), "rollout/actors": len(pool.actors),
+                "rollout/actors_pending": len(pool.pending), "run/restarts": self.restarts}
 
     def tune(self, tuner: OffPolicyTuner, metrics: dict[str, float], store) -> dict[str, float]:
         """One decision of the auto-tuner (async_april/auto_staleness.py) from this step's metrics; a

@@ -1,0 +1,128 @@
+"""A run on a multi-node Ray cluster: shared storage, the placement record, losing run state.
+
+    check_shared_storage(cfg, model_path)  one tiny task per live node: does it see run.dir (a marker
+                                           file written here) and the model directory? else a UserError
+    PlacementRecord.update(...)            asks every actor which node it is on (Ray's own answer) and
+                                           writes run.dir/placement.json (docs/cluster.md)
+    LOST_STATE                             the errors that mean a learner rank or the store is gone: the
+                                           controller rebuilds the run from its last checkpoint
+                                           (run.max_restarts) or ends with the command that resumes it
+    layout (check): async_april/launch/layout.py
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from async_april.config import Config
+from async_april.console import say
+from async_april.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 60.0
+"""Longest a node may take to answer the storage probe (it may be busy starting workers)."""
+
+
+class SharedStorageError(UserError, OSError):
+    """A node of the cluster cannot see run.dir or the model directory."""
+
+
+def _probe(paths: dict[str, str]) -> dict[str, Any]:
+    import os
+
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "missing": [key for key, p in paths.items() if not os.path.exists(p)]}
+
+
+def probe_nodes(paths: dict[str, str]) -> list[dict[str, Any]]:
+    """Run `_probe(paths)` once on every live node (hard node affinity); one answer per node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(_probe)
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(paths) for nid in nodes]
+    return ray.get(refs, timeout=PROBE_TIMEOUT_S)
+
+
+def check_shared_storage(cfg: Config, model_path: Path) -> int:
+    """Every node must see run.dir (it writes checkpoints' shards there and reads them back on resume)
+    and the model directory (every engine and learner rank loads it). Returns the nodes checked."""
+    marker = cfg.run_dir / f".node-probe-{uuid.uuid4().hex[:12]}"
+    marker.write_text("written by the driver; every node must see it\n")
+    try:
+        answers = probe_nodes({"run.dir": str(marker), "model.path": str(Path(model_path) / "config.json")})
+    finally:
+        marker.unlink(missing_ok=True)
+    bad = [a for a in answers if a["missing"]]
+    if bad:
+        where = "; ".join(f"node {a['node_id'][:8]} ({a['ip']}) cannot see {' or '.join(a['missing'])}" for a in bad)
+        raise SharedStorageError(
+            f"{where}: run.dir={cfg.run_dir} and the model directory {model_path} must be on storage every "
+            "node of the Ray cluster sees at the same path (NFS, a cluster file system); move them there or "
+            "leave such nodes out of the cluster")
+    return len(answers)
+
+
+def lost_state_errors() -> tuple[type[BaseException], ...]:
+    """What escapes the step loop when a learner rank or the rollout store is gone (generation actors'
+    deaths are handled inside actors/pool.py and never get here)."""
+    import ray
+
+    from learners.group import LearnerLostError
+
+    return (LearnerLostError, ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+
+
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run from its latest checkpoint."""
+    argv = [a for a in sys.argv[1:] if not a.startswith(("run.resume=", "run.overwrite="))]
+    head = "async-april " + " ".join(shlex.quote(a) for a in argv) if argv and argv[0] == "train" else "async-april train CONFIG"
+    return f"{head} run.dir={shlex.quote(str(cfg.run_dir))} run.resume=auto"
+
+
+class PlacementRecord:
+    """run.dir/placement.json, kept current: rewritten whenever the set of actors changes."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.specs = {"learner": cfg.placement.learner, "store": cfg.placement.store,
+                      "generation": cfg.placement.generation, "eval": cfg.placement.eval}
+        self.actors: dict[str, dict[str, Any]] = {}
+        self._seen: frozenset[str] = frozenset()
+
+    def update(self, store, learner, pool, evaluator=None, announce: bool = False) -> bool:
+        """Ask each actor not yet recorded where it runs; drop the ones gone. Returns whether it changed."""
+        from async_april.placement import describe, node_of, write_record
+
+        live = {"store": ("store", store)}
+        for r, w in enumerate(getattr(learner, "workers", [])):
+            live[f"learner{r}"] = ("learner", w)
+        for i, h in pool.actors.items():
+            live[i] = ("generation", h)
+        if evaluator is not None and evaluator.actor is not None:
+            live["eval"] = ("eval", evaluator.actor)
+        if frozenset(live) == self._seen:
+            return False
+        for name in set(self.actors) - set(live):
+            self.actors.pop(name)
+        for name, (role, handle) in live.items():
+            if name not in self.actors:
+                try:
+                    self.actors[name] = {"role": role, **node_of(handle)}
+                except Exception as e:  # noqa: BLE001 - an actor that died meanwhile is handled by its owner
+                    log.warning("placement: could not ask %s where it runs (%r)", name, e)
+        self._seen = frozenset(live)
+        write_record(self.cfg.run_dir, self.specs, self.actors, list(getattr(pool, "events", [])))
+        if announce:
+            for line in describe(self.specs, self.actors):
+                say(line)
+        return True
