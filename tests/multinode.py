@@ -35,6 +35,7 @@ class LocalCluster:
             head_args.setdefault("dashboard_port", _free_port())
         self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
         self.head = self.cluster.head_node
+        self.layout = [dict(w) for w in workers]
         self.workers = [self.add(**w) for w in workers]
         self.cluster.wait_for_nodes()
         self.start_s = time.monotonic() - t0
@@ -44,6 +45,15 @@ class LocalCluster:
     def add(self, **node_args):
         node = self.cluster.add_node(object_store_memory=OBJECT_STORE_BYTES, **node_args)
         return node
+
+    def restore(self) -> None:
+        """Add back the workers of the original layout that a test removed (its custom resources tell them apart)."""
+        have = [_resources(n) for n in self.workers]
+        missing = [w for w in self.layout if w.get("resources", {}) not in have]
+        for w in missing:
+            self.workers.append(self.add(**w))
+        if missing:
+            self.cluster.wait_for_nodes()
 
     def wait_for_nodes(self) -> None:
         self.cluster.wait_for_nodes()

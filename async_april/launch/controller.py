@@ -192,6 +192,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             else:
                 metrics.update(pool.push_weights(push, learner.version))
                 ray.get(store.call.remote("set_version", learner.version))
+            pool.check()  # deaths; elastic rollout: actors join where a node has room (rollout.max_actors)
             ray.get(store.call.remote("check_accounting"))  # every prompt in exactly one state, or stop
             if evaluator is not None:  # results that have arrived; a new evaluation if due (never waits)
                 metrics.update(evaluator.after_step(step, learner))
