@@ -27,7 +27,6 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self.tmp = tempfile.mkdtemp(prefix="aa-mn-", dir="/tmp")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # ray job submit against it (DESIGN.md, Ray 2.60)
         t0 = time.monotonic()
         head_args = {"object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": dashboard,
                      "_system_config": SYSTEM_CONFIG, "temp_dir": self.tmp, **head}

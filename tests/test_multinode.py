@@ -31,7 +31,7 @@ def cluster():
 
     c = LocalCluster(head={"num_cpus": 2, "resources": {"head": 1}},
                      workers=[{"num_cpus": 2, "resources": {"w1": 1, "lrn": 1}},
-                              {"num_cpus": 2, "resources": {"w2": 1, "lrn": 1}}])
+                              {"num_cpus": 2, "resources": {"w2": 1, "lrn": 1}}], dashboard=True)
     yield c
     ray.shutdown()
     c.shutdown()
@@ -207,3 +207,80 @@ def test_elastic_pool_grows_onto_a_joining_node_and_shrinks_when_it_leaves(clust
     state = store_state(CheckpointManager(cfg.run_dir).list()[-1])
     assert_each_prompt_once(state)
     assert len(state["trained"]) == len(set(state["trained"])) == 11 * cfg.rollout.batch_groups
+
+
+def test_sync_preset_on_three_nodes_equals_the_single_process_loop(cluster, tmp_path):
+    """The sync preset with 3 generation actors spread over the 3 nodes and the learner's 2 ranks
+    split over 2 nodes (placement.learner=spread: the gloo rendezvous crosses nodes, rank 0's node
+    the master) gives the metrics and weights of the plain synchronous loop on one machine
+    (tests/test_rollout.py::sync_reference, no Ray), to the tolerances of
+    test_sync_preset_equals_the_plain_synchronous_loop, which pins the 1-node run to that loop."""
+    import copy
+
+    import ray
+    import torch
+
+    from tests.test_rollout import sync_reference
+
+    cluster.restore()
+    cfg = make_cfg(cluster, tmp_path, "run.steps=3", "async.max_staleness=0", "rollout.over_provision=1",
+                   "rollout.early_stop=false", "rollout.on_weight_update=drain", "rollout.num_actors=3",
+                   "learner.world_size=2", "placement.learner=spread")
+    final = {}
+    train(cfg, on_step=lambda step, batch, learner: final.update(w=learner.full_state_dict()) if step == 3 else None)
+    rec = json.loads((cfg.run_dir / "placement.json").read_text())
+    assert rec["actors"]["learner0"]["node_id"] != rec["actors"]["learner1"]["node_id"], "ranks on two nodes"
+    assert len({a["node_id"] for a in rec["actors"].values() if a["role"] == "generation"}) == 3
+    ref, ref_weights = sync_reference(copy.deepcopy(cfg), 3)
+    for got, want in zip(rows(cfg), ref, strict=True):
+        assert got["rollout/reward_mean"] == pytest.approx(want["reward"], abs=1e-6)
+        assert got["loss/policy"] == pytest.approx(want["loss"], abs=1e-5)
+        assert got["staleness/max"] == 0
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(final["w"][name], w, atol=1e-5, rtol=0)
+    assert ray.is_initialized()
+
+
+def test_ray_job_submit_onto_the_cluster_writes_metrics_and_checkpoints_in_run_dir(cluster, tmp_path):
+    """`ray job submit` (the CLI, as docs/cluster.md shows) runs `async-april train` as a job on the
+    head; it joins the 3-node cluster, checks every node sees run.dir and the model, and writes
+    metrics.jsonl, placement.json and checkpoints where run.dir says."""
+    import os
+    import subprocess
+    import sys
+
+    cluster.restore()
+    run_dir = tmp_path / "job-run"
+    # Token auth (Ray 2.60's default, docs/cluster.md): the submitting side reads the cluster's token file.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": cluster.dashboard_url if cluster.dashboard_url.startswith("http")
+           else f"http://{cluster.dashboard_url}"}
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--", sys.executable, "-m", "async_april.launch.cli",
+           "train", str(REPO / "configs/tiny_cpu.yaml"), f"run.dir={run_dir}", *SMALL, "run.steps=2",
+           "rollout.num_actors=2", "checkpoint.every=1"]
+    for _ in range(30):  # the dashboard answers before its job agent registers (slower on a loaded machine)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        if "No available agent" not in proc.stdout + proc.stderr:
+            break
+        time.sleep(2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nodes see run.dir and the model" in proc.stdout + proc.stderr
+    assert "as a `ray job submit` driver" in proc.stdout + proc.stderr
+    out = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in out] == [1, 2]
+    assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000001", "step_00000002"]
+    rec = json.loads((run_dir / "placement.json").read_text())
+    assert rec["driver_node_id"] == cluster.head.node_id, "a job's driver runs on the head"
+    assert rec["actors"]["store"]["node_id"] == cluster.head.node_id
+
+
+def test_a_node_that_cannot_see_run_dir_is_named(cluster, tmp_path):
+    """The storage probe runs on every node; a path some node cannot see is an error naming the node."""
+    import ray
+
+    from async_april.launch.cluster import probe_nodes
+
+    cluster.restore()
+    ray.init(address=cluster.address, ignore_reinit_error=True)
+    answers = probe_nodes({"run.dir": str(tmp_path), "model.path": str(tmp_path / "nowhere")})
+    assert sorted(a["node_id"] for a in answers) == sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    assert all(a["missing"] == ["model.path"] for a in answers)
