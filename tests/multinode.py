@@ -10,7 +10,6 @@ Node death is detected in ~1.5 s (health checks every 500 ms, 3 misses) instead 
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 

@@ -284,3 +284,55 @@ def test_a_node_that_cannot_see_run_dir_is_named(cluster, tmp_path):
     answers = probe_nodes({"run.dir": str(tmp_path), "model.path": str(tmp_path / "nowhere")})
     assert sorted(a["node_id"] for a in answers) == sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     assert all(a["missing"] == ["model.path"] for a in answers)
+
+
+def test_the_8gpu_recipes_layout_fits_two_4gpu_nodes_and_not_one():
+    """`check`'s layout fit (async_april/launch/layout.py), no Ray: 4 learner ranks + 4 engines of one
+    GPU each fit two nodes of 4 GPUs (learner packed on one, engines on the other), not one."""
+    from async_april.launch.layout import fit_layout
+
+    for recipe in ("qwen3-4b_dapo_8gpu_async", "qwen2.5-math-1.5b_deepscaler_8gpu_sync"):
+        cfg = load_config(REPO / f"configs/recipes/{recipe}.yaml", [])
+        two = [{"node_id": f"n{i}" + "0" * 8, "ip": "x", "resources": {"CPU": 16, "GPU": 4}} for i in range(2)]
+        layout = fit_layout(cfg, two, driver_node_id=two[0]["node_id"])
+        assert layout.problems == []
+        assert layout.placed["learner"] == [two[0]["node_id"]] * 4 and layout.placed["generation"] == [two[1]["node_id"]] * 4
+        spread = fit_layout(cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"learner": "spread"})}), two)
+        assert sorted(spread.placed["learner"]) == [two[0]["node_id"]] * 2 + [two[1]["node_id"]] * 2
+        one = fit_layout(cfg, two[:1], driver_node_id=two[0]["node_id"])
+        assert one.problems == ["generation: 4 x (CPU 1, GPU 1) needed, only 0 fit on the cluster's 1 node(s)"]
+
+
+def test_check_on_the_live_cluster_reports_the_layout_and_an_8gpu_layout_runs_on_two_4gpu_nodes(cluster, tmp_path):
+    """Two nodes declaring 4 GPUs each replace the CPU workers. `async-april check` against the live
+    cluster refuses 5 one-GPU engines on one of them with placement.generation=resource:g1 (naming the
+    problem) and accepts the 8-GPU recipes' layout (4 learner ranks, 4 one-GPU engines); that layout then
+    runs (simulated engines, CPU learner on gloo, ranks spread so the rendezvous crosses nodes)."""
+    import subprocess
+    import sys
+
+    for n in list(cluster.workers):
+        cluster.remove(n)
+    g = [cluster.add(num_cpus=4, num_gpus=4, resources={f"g{i}": 1}) for i in (1, 2)]
+    cluster.wait_for_nodes()
+    layout = ["rollout.num_actors=4", "rollout.gpus_per_actor=1", "learner.world_size=4", "rollout.engine=simulated",
+              "learner.device=cpu", "placement.learner=spread"]
+    try:
+        base = [sys.executable, "-m", "async_april.launch.cli", "check", str(REPO / "configs/tiny_cpu.yaml"),
+                f"run.dir={tmp_path}/chk", f"run.ray_address={cluster.address}", *SMALL, *layout]
+        bad = subprocess.run([*base, "placement.generation=resource:g1", "rollout.num_actors=5", "learner.world_size=1",
+                              "placement.learner=resource:head"], capture_output=True, text=True, timeout=180)
+        assert bad.returncode == 2, bad.stderr[-2000:]
+        assert "generation: 5 x (CPU 1, GPU 1) needed, only 4 fit on nodes allowed by placement.generation=resource:g1" in bad.stderr
+        ok = subprocess.run(base, capture_output=True, text=True, timeout=180)
+        assert ok.returncode == 0 and "the layout fits" in ok.stderr, ok.stderr[-2000:]
+        cfg = make_cfg(cluster, tmp_path, "run.steps=2", *layout, "rollout.simulated_time_scale=0.001")
+        train(cfg)
+        rec = json.loads((cfg.run_dir / "placement.json").read_text())
+        gpu_nodes = {n.node_id for n in g}
+        assert {a["node_id"] for a in rec["actors"].values() if a["role"] == "generation"} == gpu_nodes
+        assert len({a["node_id"] for a in rec["actors"].values() if a["role"] == "learner"}) >= 2
+        assert [r["train/step"] for r in rows(cfg)] == [1, 2]
+    finally:
+        for n in g:
+            cluster.remove(n)

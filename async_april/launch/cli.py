@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         import yaml
 
         from async_april.console import say
-        from async_april.launch.resolve import CHECK_ROWS, check_gpu_resources, cluster_gpus_if_reachable, gpus_needed, resolve
+        from async_april.launch.resolve import CHECK_ROWS, ResourceError, check_gpu_resources, cluster_layout_if_reachable, gpus_needed, resolve
 
         r = resolve(cfg, sample_rows=CHECK_ROWS)
         for line in r.describe():
@@ -110,12 +110,18 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
         on_gpu = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and cfg.rollout.gpus_per_actor > 0)
         say(describe_counts(parameter_counts(r.model_path, cfg.learner.lora), gpu_bf16=on_gpu))
-        gpus = cluster_gpus_if_reachable(cfg)
-        if gpus is None:
+        live = cluster_layout_if_reachable(cfg)
+        if live is None:
             say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")
         else:
+            layout, gpus = live
+            for line in layout.lines():
+                say(line)
             check_gpu_resources(cfg, gpus)
-            say(f"resources: {gpus_needed(cfg):g} GPUs reserved of the cluster's {gpus:g}")
+            if layout.problems:
+                raise ResourceError("the layout does not fit the cluster: " + "; ".join(layout.problems) +
+                                    "; add nodes, lower learner.world_size / rollout.num_actors, or change placement.*")
+            say(f"resources: {gpus_needed(cfg):g} GPUs reserved of the cluster's {gpus:g}; the layout fits")
         print(yaml.safe_dump(r.cfg.to_yaml_dict(), sort_keys=False))
         say(f"ok: {args.config} resolves (data: first {CHECK_ROWS} rows checked)")
         return 0

@@ -72,6 +72,17 @@ def check_shared_storage(cfg: Config, model_path: Path) -> int:
     return len(answers)
 
 
+def warn_if_layout_does_not_fit(cfg: Config) -> None:
+    """`check`'s layout fit (async_april/launch/layout.py) on the live nodes: a warning here, since Ray
+    may still find room (nodes joining; a sketch of its scheduler can be wrong), and actors then wait."""
+    from async_april.launch.layout import fit_layout, live_nodes
+    from async_april.placement import driver_node_id
+
+    layout = fit_layout(cfg, live_nodes(), driver_node_id())
+    if layout.problems:
+        say("warning: the layout may not fit the cluster as it is now (actors will wait for room): " + "; ".join(layout.problems))
+
+
 def lost_state_errors() -> tuple[type[BaseException], ...]:
     """What escapes the step loop when a learner rank or the rollout store is gone (generation actors'
     deaths are handled inside actors/pool.py and never get here)."""

@@ -20,7 +20,9 @@ weights); a skipped learner step (non-finite loss) is not broadcast and does
 not bump the version; every `checkpoint.every` steps, at the end and on
 SIGINT/SIGTERM (`stopping.py`), `async_april/checkpointing.py` saves learner +
 store + `RunState` atomically; `run.resume` restores them and pushes the
-restored weights before generating. Bad input never gets this far:
+restored weights before generating. A learner rank or the store lost with its node (LearnerLostError,
+RayActorError) rebuilds the run from its last checkpoint, up to run.max_restarts, else ends with
+the resume command (launch/cluster.py; docs/cluster.md, Multi-node). Bad input never gets this far:
 `launch/resolve.py` checks the config against the world before Ray starts.
 
 Run: `async-april train CONFIG [k=v ...]` or `python -m async_april.train CONFIG [k=v ...]`.
@@ -40,7 +42,8 @@ from async_april.auto_staleness import OffPolicyTuner, StepSignals
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
-from async_april.launch.cluster import PlacementRecord, check_shared_storage, lost_state_errors, resume_command
+from async_april.launch.cluster import (PlacementRecord, check_shared_storage, lost_state_errors, resume_command,
+                                       warn_if_layout_does_not_fit)
 from async_april.stopping import GracefulStop, Interrupted
 from async_april.tracking import Tracker
 
@@ -71,6 +74,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
             check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
             if sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
                 say(f"ray: {check_shared_storage(cfg, r.model_path)} nodes see run.dir and the model")
+                warn_if_layout_does_not_fit(cfg)
             while True:
                 tracker = _tracker(cfg, r, run_dir)
                 try:

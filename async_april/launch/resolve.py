@@ -18,7 +18,8 @@
       eval         each eval.datasets entry read the same way, training prompts left out
 
 `check_gpu_resources` compares the GPUs a config asks for with a cluster's: `check` calls it when
-a Ray address is given, `train` once Ray is up, before any actor starts.
+a Ray address is given (with the per-node layout fit of async_april/launch/layout.py),
+`train` once Ray is up, before any actor starts.
 
 Everything here runs on the driver before Ray or any actor starts, cheapest checks
 first; every failure is a UserError (async_april/errors.py) naming the key, file
@@ -187,8 +188,9 @@ class ResourceError(UserError, ValueError):
     """The config asks for more of a resource than the cluster has."""
 
 
-def cluster_gpus_if_reachable(cfg: Config) -> float | None:
-    """The GPUs of the Ray cluster named by run.ray_address or RAY_ADDRESS, or None when none is named."""
+def cluster_layout_if_reachable(cfg: Config):
+    """The config's layout fitted to the live nodes of the Ray cluster named by run.ray_address or
+    RAY_ADDRESS (async_april/launch/layout.py), or None when none is named."""
     import os
 
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
@@ -197,11 +199,13 @@ def cluster_gpus_if_reachable(cfg: Config) -> float | None:
     probe_ray_address(cfg)
     import ray
 
+    from async_april.launch.layout import fit_layout, live_nodes
+
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
-        return float(ray.cluster_resources().get("GPU", 0.0))
+        return fit_layout(cfg, live_nodes(), ray.get_runtime_context().get_node_id()), float(ray.cluster_resources().get("GPU", 0.0))
     finally:
         if started:
             ray.shutdown()
