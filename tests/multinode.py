@@ -10,6 +10,7 @@ Node death is detected in ~1.5 s (health checks every 500 ms, 3 misses) instead 
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 
@@ -67,6 +68,7 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _resources(node) -> dict:
