@@ -19,7 +19,7 @@ eta 4; predicted: `plan` for the same settings.
 
     python benchmarks/plan_accuracy.py --tiny --simulated --auto
 
-Writes benchmarks/results/plan_accuracy.json (and auto_eta_simulated.json).
+Writes benchmarks/results/plan_accuracy_tiny.json, plan_accuracy_simulated.json, auto_eta_simulated.json.
 """
 
 from __future__ import annotations
@@ -170,10 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="aa-plan-") as tmp:
         if a.tiny:
             result["tiny"] = bench_tiny(a.tiny_steps, Path(tmp))
-            write_json("plan_accuracy.json", result)
+            write_json("plan_accuracy_tiny.json", result["tiny"])
         if a.simulated:
             result["simulated"] = bench_simulated(a.sim_steps, Path(tmp))
-            write_json("plan_accuracy.json", result)
+            write_json("plan_accuracy_simulated.json", result["simulated"])
         if a.auto:
             auto = bench_auto(a.auto_steps, Path(tmp))
             print(f"{'run':<10}{'useful tok/s (sim)':>20}{'x best fixed':>14}{'eta at end':>12}{'stale max':>11}")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             s = r["setting"]
             print(f"{r['workload']:<17}{r['label']:<13}{s['mode']:>6}{s['eta']:>5}{s['over_provision']:>5g}{r['predicted']:>12.1f}"
                   f"{r['measured']:>12.1f}{r['error']:>8.1%}")
-        print(f"wrote {write_json('plan_accuracy.json', result)}")
+        print("wrote " + ", ".join(f"plan_accuracy_{part}.json" for part in ("tiny", "simulated") if part in result))
 
 
 if __name__ == "__main__":
