@@ -12,7 +12,7 @@ calibration run's own, so only its engine side is a prediction).
 at concurrency 128, 16k limit) with a modelled learner: a 4B model on 2 H100s at MFU 0.4
 (SimulatedLearner at the planner's seconds per token). Measured: the real system (Ray actors, the
 store, the simulated engine in scaled real time) for sync, the planner's recommendation and async
-eta 4; predicted: `plan` for the same settings.
+eta 4, at PLAN_TIME_SCALE; predicted: `plan` for the same settings.
 
 --auto: the same simulated workload, fixed eta 0, 1, 2, 4 (over_provision 5) against
 `async.max_staleness: auto` (auto.max 4): useful tokens/s, side by side.
@@ -100,17 +100,23 @@ def bench_tiny(steps: int, tmp: Path) -> dict:
 SIM_PARAMS, SIM_LEARNER_GPUS = 4e9, 2
 
 
-def sim_overrides(steps: int) -> tuple[list[str], float]:
-    limit, scale = SIM_WORKLOADS["april"]
+PLAN_TIME_SCALE = 0.02
+"""Real seconds per simulated second of the measured runs that check the planner: 5x rollout_throughput.py's,
+so that Ray's own latency on a shared machine (tens of ms per call) is a small part of each step."""
+
+
+def sim_overrides(steps: int, scale: float | None = None) -> tuple[list[str], float]:
+    limit, default = SIM_WORKLOADS["april"]
+    scale = scale or default
     return (["rollout.engine=simulated", "rollout.simulated_lengths=april", f"rollout.simulated_time_scale={scale}",
              "rollout.batch_groups=32", "rollout.n_samples=8", "rollout.num_actors=2", "rollout.concurrency=128",
              "run.pin_cpus=false", f"rollout.max_new_tokens={limit}", f"run.steps={steps}"], scale)
 
 
-def sim_run(mode: str, extra: list[str], steps: int, tmp: Path) -> dict:
+def sim_run(mode: str, extra: list[str], steps: int, tmp: Path, scale: float | None = None) -> dict:
     from learners.simulated import SimulatedLearner
 
-    over, scale = sim_overrides(steps)
+    over, scale = sim_overrides(steps, scale)
     spt = LearnerModel(SIM_PARAMS).s_per_token(SIM_LEARNER_GPUS)
     cfg = mode_config(mode, tmp, over + extra)
     rows = run_with(cfg, learner_factory=lambda *_: SimulatedLearner(step_s=0.0, s_per_token=spt, time_scale=scale))
@@ -138,7 +144,7 @@ def bench_simulated(steps: int, tmp: Path) -> dict:
     out = []
     for row in chosen:
         progress(f"simulated: {row.setting}")
-        m = sim_run(row.setting.mode, row.setting.overrides, steps, tmp)
+        m = sim_run(row.setting.mode, row.setting.overrides, steps, tmp, PLAN_TIME_SCALE)
         out.append({"workload": "simulated april", "label": "recommended" if row is pick else row.setting.mode,
                     "setting": row.setting.__dict__, "predicted": row.useful_tokens_per_s, "measured": m["useful_tokens_per_s_sim"],
                     "error": row.useful_tokens_per_s / m["useful_tokens_per_s_sim"] - 1, "measured_detail": m})
