@@ -89,8 +89,12 @@ class Sample:
 
     @property
     def model_versions(self) -> np.ndarray:
-        """Versions of the model's tokens only (what staleness is measured on)."""
-        return self.versions[self.model_mask]
+        """Versions of the model's tokens only (what staleness is measured on). Without a loss mask, the
+        versions themselves (not a copy: the store reads this for every open group on every push)."""
+        m = getattr(self, "loss_mask", None)
+        if m is None or len(m) != self.num_tokens:
+            return self.versions
+        return self.versions[m.astype(bool)]
 
     @property
     def turn_start(self) -> int:

@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", action="store_true", help="async with on_weight_update interrupt vs continue")
     ap.add_argument("--corrections", action="store_true", help="async at eta 4: the correction family of issue 29")
     ap.add_argument("--auto-eta", action="store_true", help="async at fixed eta 0, 1, 2, 4 vs max_staleness: auto")
+    ap.add_argument("--labels", nargs="+", default=None,
+                    help="run only the plans with these labels (e.g. 'eta4 direct' 'eta4 cispo'), for a machine without time for all")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in the results JSON (same label, seed and steps) and run only the rest")
     a = ap.parse_args(argv)
@@ -158,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
         name = "correction_ablation"
         if a.with_modes:  # the time-to-reward runs too, sharing the sync runs
             plans.insert(1, ("async", "async", []))
+    if a.labels:
+        unknown = set(a.labels) - {label for label, _, _ in plans}
+        if unknown:
+            ap.error(f"--labels {sorted(unknown)}: not among {[label for label, _, _ in plans]}")
+        plans = [p for p in plans if p[0] in a.labels]
     runs = finished_runs(RESULTS / f"{name}.json", a.steps) if a.resume else []
     done = {(r["label"], r["seed"]) for r in runs}
     with tempfile.TemporaryDirectory(prefix="aa-ttr-") as tmp:

@@ -29,7 +29,10 @@ class SimulatedLearner:
         sim_s = self.step_s + self.s_per_token * batch.num_response_tokens
         time.sleep(sim_s * self.time_scale)
         self._version += 1
-        return {"train/policy_version": self._version, "train/bad_step": 0, "loss/policy": 0.0, "timing_s/simulated_train": sim_s}
+        # No policy moves here, so behaviour and current policy agree: an IS effective sample size of 1 and
+        # a KL of 0 (what `async.max_staleness: auto` reads; without them it would never raise eta).
+        return {"train/policy_version": self._version, "train/bad_step": 0, "loss/policy": 0.0, "timing_s/simulated_train": sim_s,
+                "mismatch/ess": 1.0, "mismatch/k3": 0.0}
 
     def weight_buckets(self, bucket_mb: float) -> list:
         return []

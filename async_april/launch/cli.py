@@ -7,6 +7,8 @@
     async-april eval CONFIG CHECKPOINT [k=v ...]       evaluate a checkpoint or HF directory on eval.datasets
     async-april export CHECKPOINT OUT_DIR [--merge]    write a Hugging Face directory from a run checkpoint (LoRA: adapters, or merged)
     async-april plot RUN_DIR [--out FILE]              plot a run's metrics.jsonl (training and eval reward) to PNG
+    async-april plan CONFIG [--lengths HIST.json] [--gpus N] ...   capacity planner: simulated throughput, utilisation and
+                                                       staleness of sync / APRIL / async settings and GPU splits, and the best
     async-april --version
 
 One error path: bad input of any kind (config, YAML, data, model, reward,
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("export", help="write a Hugging Face model directory from a run checkpoint", add_help=False)
     sub.add_parser("plot", help="plot a run's metrics.jsonl (reward and eval reward, length, throughput, staleness) to PNG",
                    add_help=False)
+    sub.add_parser("plan", help="capacity planner: simulate sync, APRIL and async at several eta, over-provisioning and "
+                                "rollout:learner GPU splits, print throughput, utilisation and staleness, recommend the best",
+                   add_help=False)
     return ap
 
 
@@ -89,6 +94,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         from async_april.launch.export import main as export_main
 
         return export_main(rest)
+    if args.command == "plan":
+        from async_april.launch.plan_command import main as plan_main
+
+        return plan_main(rest)
     if args.command == "plot":
         from async_april.plot import main as plot_main
 

@@ -1,0 +1,141 @@
+"""The capacity planner (`async-april plan`): its model, its simulation, its table and its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from async_april.config import load_config
+from async_april.errors import UserError
+from async_april.launch.cli import main as cli_main
+from async_april.plan_sim import engine_ceiling, simulate
+from async_april.planning import COLUMNS, TIE, LearnerModel, Row, Setting, ceiling, grid, recommend, splits
+
+TINY = "configs/tiny_cpu.yaml"
+
+
+def test_ceiling_is_sum_over_max():
+    assert ceiling(3.0, 1.0) == pytest.approx(4 / 3)
+    assert ceiling(2.0, 2.0) == pytest.approx(2.0)
+    assert ceiling(0.0, 5.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        ceiling(0.0, 0.0)
+
+
+def test_learner_model_is_six_params_tokens_over_flops():
+    m = LearnerModel(4e9, peak_flops=1e15, mfu=0.5)
+    assert m.step_s(1_000_000, gpus=2) == pytest.approx(6 * 4e9 * 1e6 / (2 * 1e15 * 0.5))
+    with pytest.raises(UserError, match="MFU"):
+        LearnerModel(1e9, mfu=1.5)
+
+
+def test_splits_and_grid():
+    assert splits(2, 1) == [(1, 1)]
+    assert splits(8, 2) == [(2, 6), (4, 4), (6, 2)]
+    assert len(splits(64, 1)) == 4 and splits(64, 1)[0] == (1, 63) and splits(64, 1)[-1] == (63, 1)
+    with pytest.raises(UserError, match="--gpus"):
+        splits(0, 1)
+    with pytest.raises(UserError, match="no split"):
+        splits(2, 2)
+    modes = [s.mode for s in grid(2, 1)]
+    assert modes.count("sync") == 1 and modes.count("april") >= 2 and modes.count("async") >= 4
+
+
+def _row(tps: float, stale: float, eta: int = 1) -> Row:
+    return Row(Setting("async", 1, 1, eta, eta + 1.0), tps, 0.5, stale, eta, 0.0, 1.0, 1.0)
+
+
+def test_recommend_is_the_best_row_least_stale_among_equals():
+    rows = [_row(100.0, 0.5), _row(120.0, 2.0, 2), _row(120.0 * (1 - TIE / 2), 1.0, 4), _row(90.0, 0.0)]
+    assert recommend(rows) is rows[2]  # within TIE of the best and less stale
+    rows = [_row(100.0, 0.5), _row(130.0, 3.0, 4), _row(120.0, 1.0, 2)]
+    assert recommend(rows) is rows[1]
+
+
+def _cfg(*over: str):
+    return load_config(TINY, ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.concurrency=16", *over])
+
+
+def _const(n: int):
+    return lambda rng: n
+
+
+def test_sync_simulation_matches_the_analytic_step():
+    """Constant lengths L and a constant decode step a: a sync step is L * a to generate, the
+    learner's time, and the weight load, one after the other; async overlaps them."""
+    L, a, train, update = 40, 0.01, 0.7, 0.05
+    step = lambda b, t, p: a  # noqa: E731
+    kw = dict(steps=8, engines=1, step_s=step, update_s=update, train_s=lambda n: train, sample_length=_const(L), prompt_tokens=8)
+    tokens = 4 * 4 * L
+    sync = simulate(_cfg("async.max_staleness=0", "rollout.over_provision=1"), **kw)
+    assert sync.useful_tokens_per_s(2) == pytest.approx(tokens / (L * a + train + update), rel=1e-6)
+    assert sync.staleness_max == 0
+    asyn = simulate(_cfg("async.max_staleness=2", "rollout.over_provision=3", "rollout.on_weight_update=interrupt"), **kw)
+    # generation (0.4 s) is hidden behind the learner: a step is train + update
+    assert asyn.useful_tokens_per_s(2) == pytest.approx(tokens / (train + update), rel=0.02)
+    assert 0 < asyn.staleness_max <= 2
+
+
+def test_simulation_never_trains_past_eta_and_ceiling_is_full_concurrency_rate():
+    step = lambda b, t, p: 0.001 + 1e-4 * b + 1e-7 * t + 1e-6 * p  # noqa: E731
+    lengths = lambda rng: int(rng.integers(1, 48))  # noqa: E731
+    for eta, op, early in ((1, 2, "false"), (2, 3, "false"), (2, 2, "true")):
+        res = simulate(_cfg(f"async.max_staleness={eta}", f"rollout.over_provision={op}", f"rollout.early_stop={early}",
+                            "rollout.on_weight_update=interrupt"),
+                       steps=10, engines=1, step_s=step, update_s=0.01, train_s=lambda n: 0.05, sample_length=lengths, prompt_tokens=8)
+        assert res.staleness_max <= eta and len(res.step_times) == 10
+    tps = engine_ceiling(concurrency=16, step_s=lambda b, t, p: 0.01, sample_length=_const(10), max_new_tokens=48, prompt_tokens=8)
+    assert tps == pytest.approx(16 / 0.01)
+
+
+def _plan(capsys, tmp_path, *args: str) -> tuple[int, str, str]:
+    code = cli_main(["plan", TINY, *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_prints_every_row_and_recommends_the_best(capsys, tmp_path):
+    hist = tmp_path / "lengths.json"
+    hist.write_text(json.dumps({"8": 10, "20": 5, "48": 1}))
+    out_json = tmp_path / "plan.json"
+    code, out, err = _plan(capsys, tmp_path, "--lengths", str(hist), "--params", "1e6", "--latency", "0.01,0.0005,0,0.0001,0.05",
+                           "--peak-tflops", "0.1", "--mfu", "0.05", "--steps", "5", "--gpus", "3", "--json", str(out_json))
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if "useful_tok/s" in line)
+    assert header.split() == list(COLUMNS)
+    data = json.loads(out_json.read_text())
+    settings = grid(3, 1)
+    assert len(data["rows"]) == len(settings) == 2 * 12  # splits 1:2 and 2:1, 12 settings each
+    table_rows = [line for line in out.splitlines() if line.strip().split()[:1] and ":" in line.split()[0] and line.split()[0][0].isdigit()]
+    assert len(table_rows) == len(settings)
+    assert sum("<- recommended" in line for line in table_rows) == 1
+    best = max(r["useful_tokens_per_s"] for r in data["rows"])
+    rec = data["recommended"]
+    assert rec["useful_tokens_per_s"] >= (1 - TIE) * best
+    assert "recommended:" in err and f"async.max_staleness={rec['setting']['eta']}" in err
+    assert "TFLOP/s peak" in err and "MFU 0.05" in err  # the learner model's assumptions are stated
+    for r in data["rows"]:
+        assert r["ceiling"] == pytest.approx((r["gen_s"] + r["train_s"]) / max(r["gen_s"], r["train_s"]))
+        assert r["staleness_max"] <= r["setting"]["eta"]
+        assert r["vs_sync"] > 0 and not math.isnan(r["vs_sync"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "/nonexistent/h.json"], "no such file"),
+    (["--gpus", "0"], "--gpus 0"),
+    (["--gpus", "1"], "at least 2"),
+    (["--latency", "1,2"], "--latency"),
+])
+def test_plan_bad_input_is_one_clear_error(capsys, tmp_path, args, message):
+    code, out, err = _plan(capsys, tmp_path, "--params", "1e6", *args)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"lengths": [1, 2]}', '{"-3": 4}', '{"abc": 1}', "[]"])
+def test_plan_malformed_histogram_is_one_clear_error(capsys, tmp_path, text):
+    hist = tmp_path / "h.json"
+    hist.write_text(text)
+    code, out, err = _plan(capsys, tmp_path, "--params", "1e6", "--lengths", str(hist))
+    assert code == 2 and "not a length histogram" in err and "JSON histogram" in err
