@@ -40,12 +40,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool):
-        n = hidden.shape[0]
+    def forward(ctx, hidden_nd, weight, targets_nd, temperature: float, chunk: int, with_entropy: bool):
+        # Shaped here, not by the caller: a reshaped output would be a view, on which FSDP2's
+        # pre-backward hook (registered on the root forward's outputs) is fragile.
+        hidden, targets = hidden_nd.reshape(-1, hidden_nd.shape[-1]), targets_nd.reshape(-1)
+        n, shape = hidden.shape[0], targets_nd.shape
         cdt = _compute_dtype(hidden.dtype)
-        lp = hidden.new_empty(n, dtype=cdt)
+        lp_out = hidden.new_empty(shape, dtype=cdt)  # written through a flat view, returned as is
+        ent_out = hidden.new_empty(shape if with_entropy else (0,), dtype=cdt)
+        lp, ent = lp_out.view(-1), ent_out.view(-1)
         lse = hidden.new_empty(n, dtype=cdt)
-        ent = hidden.new_empty(n if with_entropy else 0, dtype=cdt)
         for s in range(0, n, chunk):
             z = (hidden[s : s + chunk] @ weight.t()).to(cdt) / temperature
             lse[s : s + chunk] = torch.logsumexp(z, -1)
@@ -54,13 +58,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ent[s : s + chunk] = lse[s : s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
             del z
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(ent)
-        return lp, ent
+        ctx.temperature, ctx.chunk, ctx.hidden_shape = temperature, chunk, hidden_nd.shape
+        ctx.mark_non_differentiable(ent_out)
+        return lp_out, ent_out
 
     @staticmethod
     def backward(ctx, grad_lp, _grad_ent):
         hidden, weight, targets, lse = ctx.saved_tensors
+        grad_lp = grad_lp.reshape(-1)
         t, chunk = ctx.temperature, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cdt = lse.dtype
@@ -81,6 +86,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_w:
                 grad_w += (dz.t() @ h).to(cdt)
             del dz
+        grad_h = None if grad_h is None else grad_h.reshape(ctx.hidden_shape)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
@@ -100,12 +106,10 @@ def chunked_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    shape = targets.shape
-    lp, ent = _ChunkedLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), chunk, with_entropy
-    )
-    lp = lp.reshape(shape)
-    return (lp, ent.reshape(shape)) if with_entropy else lp
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states' positions {tuple(hidden.shape[:-1])}")
+    lp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), chunk, with_entropy)
+    return (lp, ent) if with_entropy else lp
 
 
 @dataclass
@@ -136,8 +140,6 @@ class LogprobHead(nn.Module):
         req = self.request
         if req is None:
             return nn.functional.linear(hidden, self.weight)
-        if req.targets.shape != hidden.shape[:-1]:
-            raise ValueError(f"logprob targets {tuple(req.targets.shape)} do not match the kept positions {tuple(hidden.shape[:-1])}")
         out = chunked_logprobs(hidden, self.weight, req.targets, req.temperature, req.with_entropy)
         req.logprobs, req.entropy = out if req.with_entropy else (out, None)
         return req.logprobs
