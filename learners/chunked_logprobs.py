@@ -38,6 +38,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _tempered_logits(h: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype, temperature: float) -> torch.Tensor:
+    """(h @ W^T) / T in `cdt`, a fresh [chunk, V] tensor the caller may modify in place."""
+    z = (h @ weight.t()).to(cdt)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_nd, weight, targets_nd, temperature: float, chunk: int, with_entropy: bool):
@@ -51,12 +57,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lp, ent = lp_out.view(-1), ent_out.view(-1)
         lse = hidden.new_empty(n, dtype=cdt)
         for s in range(0, n, chunk):
-            z = (hidden[s : s + chunk] @ weight.t()).to(cdt) / temperature
-            lse[s : s + chunk] = torch.logsumexp(z, -1)
-            lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            z = _tempered_logits(hidden[s : s + chunk], weight, cdt, temperature)
+            picked = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+            top = z.amax(-1, keepdim=True)
+            e = z.sub_(top).exp_()  # in place: one [chunk, V] buffer
+            total = e.sum(-1)
+            lse[s : s + chunk] = top.squeeze(-1) + total.log()
+            lp[s : s + chunk] = picked - lse[s : s + chunk]
             if with_entropy:
-                ent[s : s + chunk] = lse[s : s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
-            del z
+                # sum(p z) = sum(e log e) / total + top, with e = exp(z - top).
+                ent[s : s + chunk] = total.log() - torch.xlogy(e, e).sum(-1) / total
+            del z, e
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk, ctx.hidden_shape = temperature, chunk, hidden_nd.shape
         ctx.mark_non_differentiable(ent_out)
@@ -75,10 +86,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             g = grad_lp[s : s + chunk].to(cdt)
-            z = (h @ weight.t()).to(cdt) / t
-            # d logprob / d z = onehot(target) - softmax(z); chain through z = logits / t.
-            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])
-            del z
+            # d logprob / d z = onehot(target) - softmax(z); chain through z = logits / t. In place.
+            dz = _tempered_logits(h, weight, cdt, t).sub_(lse[s : s + chunk, None]).exp_().mul_(-g[:, None])
             dz[rows[: h.shape[0]], targets[s : s + chunk]] += g
             dz = dz.div_(t).to(hidden.dtype)
             if want_h:
@@ -156,7 +165,9 @@ def install_logprob_head(model: nn.Module) -> LogprobHead:
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
-        raise RuntimeError("install_logprob_head must run before fully_shard (FSDP2 would keep the old lm_head's parameter views)")
+        raise RuntimeError(  # noqa: TRY004 -- a call-order error, not a type error
+            "install_logprob_head must run before fully_shard (FSDP2 would keep the old lm_head's parameter views)"
+        )
     new = LogprobHead(head)
     model.set_output_embeddings(new)
     return new

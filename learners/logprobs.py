@@ -215,6 +215,6 @@ def _packed_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_
     with logprob_request(model, LogprobRequest(targets, temperature, with_entropy)) as req:
         # No attention mask: transformers then reads the row boundaries from the restarting position ids.
         model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.pred_index, use_cache=False)
-    spread = lambda v: v.new_zeros(shape.numel()).index_copy(0, mb.resp_slot, v[0]).reshape(shape) * mb.response_mask  # noqa: E731
+    spread = lambda v: v.new_zeros(shape.numel()).index_copy(0, mb.resp_slot, v[0]).reshape(shape) * mb.response_mask
     out = spread(req.logprobs)
     return (out, spread(req.entropy)) if with_entropy else out

@@ -16,7 +16,13 @@ from async_april.config import config_from_dict
 from learners.chunked_logprobs import chunked_logprobs
 from learners.logprobs import collate, response_logprobs, token_entropy, token_logprobs
 from learners.update import pack_micro_batches
-from tests.test_learner import TEMPERATURE, local_worker, make_batch, make_cfg, model_path  # noqa: F401
+from tests.test_learner import (  # noqa: F401
+    TEMPERATURE,
+    local_worker,
+    make_batch,
+    make_cfg,
+    model_path,
+)
 
 TOL = 1e-10
 
@@ -104,7 +110,7 @@ def test_packed_equals_padded_in_logprobs_loss_metrics_and_gradients(model_path,
             assert b[k] == pytest.approx(a[k], abs=TOL, nan_ok=True), k
     assert any(float(g.abs().max()) > 0 for g in g0.values())
     for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], atol=TOL, rtol=0, msg=lambda s: f"{k}: {s}")
+        torch.testing.assert_close(g1[k], g0[k], atol=TOL, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
 def test_the_chunked_head_equals_full_logits_and_packing_keeps_rows_apart(model_path):  # noqa: F811
@@ -123,7 +129,7 @@ def test_the_chunked_head_equals_full_logits_and_packing_keeps_rows_apart(model_
         total = total + want.sum()
     total.backward()
     for (k, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=TOL, rtol=0, msg=lambda s: f"{k}: {s}")
+        torch.testing.assert_close(p.grad, q.grad, atol=TOL, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
     changed = [x.copy() for x in ids]
     changed[2][:] = (changed[2] % (model.config.vocab_size - 1)) + 1
     with torch.no_grad():
@@ -175,7 +181,7 @@ def test_fsdp_learner_packed_equals_padded_and_the_full_logits_loop(model_path):
     for k in ("loss/total", "loss/policy", "train/grad_norm", "loss/entropy", "is/weight_max", "loss/tokens"):
         assert m1[k] == pytest.approx(m0[k], abs=1e-5), k
     for k in sd0:
-        torch.testing.assert_close(sd1[k], sd0[k], atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+        torch.testing.assert_close(sd1[k], sd0[k], atol=1e-5, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
 
