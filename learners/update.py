@@ -83,11 +83,15 @@ def mean_over_mini_batches(per_mini: list[dict[str, float]]) -> dict[str, float]
     return out
 
 
-def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
-    """Greedy packing of row indices (longest first) so rows x longest row stays within `max_tokens`.
+def pack_micro_batches(lengths: np.ndarray, max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Greedy grouping of row indices (longest first) so each micro-batch's cost stays within
+    `max_tokens`: rows x longest row when right-padded; with `packed`, the summed lengths (first fit:
+    each row joins the first micro-batch with room, so short rows fill the long ones' leftovers).
 
     A row longer than the budget goes alone in its own micro-batch.
     """
+    if packed:
+        return _first_fit(np.asarray(lengths), max_tokens)
     groups: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -100,4 +104,19 @@ def pack_micro_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
         longest = max(longest, n)
     if current:
         groups.append(current)
+    return groups
+
+
+def _first_fit(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        j = next((k for k, r in enumerate(room) if r >= n), None)
+        if j is None:
+            groups.append([int(i)])
+            room.append(max_tokens - n)
+        else:
+            groups[j].append(int(i))
+            room[j] -= n
     return groups

@@ -10,7 +10,8 @@ runs under torchrun or in a single process (world_size=1) for tests.
          normaliser: proximal logprobs of every row, no grad, pre-update weights (learners/update.py)]
         [rejected tokens out of the normaliser: global_tokens / sequences = the KEPT ones, summed over ranks]
         for each mini-batch:
-          micro-batches by token budget (same count on every rank; empty ones run a zero-loss forward)
+          micro-batches by token budget, packed (learner.packing) or right-padded (same count on every
+          rank; empty ones run a zero-loss forward)
           for each micro-batch: logprobs (grad) + entropy [+ proximal: precomputed, or logprobs.detach()
                                 with one mini-batch] [+ ref, no grad]
                                 loss = policy_loss(..., behaviour logprobs exactly as sampled)
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from async_april.errors import WeightsDivergedError
 from learners import checkpoint as ckpt
 from learners import lora
+from learners.chunked_logprobs import install_logprob_head
 from learners.hf_dir import write_hf_dir
 from learners.logprobs import collate, response_logprobs
 from learners.optim import make_lr_scheduler, peak_flops
@@ -101,6 +103,7 @@ class LearnerWorker(WeightExport):
         random.seed(seed)
         attn = resolve_attn_implementation(cfg.model.attn_implementation)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
+        install_logprob_head(model)  # before the copy and FSDP2: logprobs come from the head, not full logits
         self.hf_config = model.config
         self.num_params = sum(p.numel() for p in model.parameters())
         ref = None
@@ -190,7 +193,7 @@ class LearnerWorker(WeightExport):
             # Every token rejected: the loss is zero whatever divides it.
             global_tokens, global_sequences = float(max(int(kept[0]), 1)), float(max(int(kept[1]), 1))
         lengths = np.array([len(x) for x in local.input_ids], np.int64)
-        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch)
+        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self.cfg.learner.packing)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
         temperature = self.cfg.rollout.temperature
         reads_prox = self.loss_settings.needs_proximal
@@ -285,7 +288,7 @@ class LearnerWorker(WeightExport):
         """`local` with the current (pre-update) policy's logprob of every response token: no-grad
         forwards over the same micro-batches as training. Collective: every rank runs as many."""
         lengths = np.array([len(x) for x in local.input_ids], np.int64)
-        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch)
+        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self.cfg.learner.packing)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
         prox: list[np.ndarray | None] = [None] * len(local)
         with torch.no_grad():
@@ -302,7 +305,7 @@ class LearnerWorker(WeightExport):
     def _collate(self, sub: "TrainBatch"):
         return collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id,
                        proximal_logprobs=sub.proximal_logprobs, loss_masks=sub.loss_masks,
-                       versions=sub.versions, policy_version=sub.policy_version)
+                       versions=sub.versions, policy_version=sub.policy_version, packed=self.cfg.learner.packing)
 
     def _zero_loss_backward(self) -> None:
         dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)

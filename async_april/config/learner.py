@@ -137,7 +137,14 @@ class LearnerConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     """Clip the global gradient norm to this value."""
     max_tokens_per_microbatch: int = Field(8192, ge=16)
-    """Token budget per micro-batch; gradients accumulate across micro-batches."""
+    """Token budget per micro-batch; gradients accumulate across micro-batches. Packed: the rows' summed
+    lengths; padded: rows x the longest row. A row longer than the budget trains alone."""
+    packing: bool = True
+    """Pack each micro-batch: rows concatenated without padding, position ids restarting per row, attention
+    kept within each row (flash_attention_2's varlen kernel; a block-diagonal causal mask on sdpa/eager).
+    On a long-tailed batch most of a padded micro-batch is padding; packed, compute goes to real tokens
+    only, with the same logprobs, loss and gradients. False keeps the right-padded micro-batches (for
+    comparison, or a model whose attention ignores position ids)."""
     mini_batches: int = Field(1, ge=1, le=4096)
     """Optimizer steps per rollout batch (PPO mini-batches): the batch's rows are split into this many
     consecutive parts, each normalised on its own. With decoupled correction and more than one, the
