@@ -108,8 +108,14 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             say(line)
         from learners.lora import describe_counts, parameter_counts
 
-        on_gpu = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and cfg.rollout.gpus_per_actor > 0)
-        say(describe_counts(parameter_counts(r.model_path, cfg.learner.lora), gpu_bf16=on_gpu))
+        from async_april.launch.memory_check import check_memory, learner_on_gpu, model_dims, plan, plan_inputs
+
+        counts = parameter_counts(r.model_path, cfg.learner.lora)
+        say(describe_counts(counts, gpu_bf16=learner_on_gpu(cfg)))
+        dims = model_dims(r.model_path, counts)
+        for line in plan(dims, plan_inputs(cfg)).table():
+            say(line)
+        check_memory(cfg, dims)  # refuses a learner that cannot fit, naming the keys to change
         gpus = cluster_gpus_if_reachable(cfg)
         if gpus is None:
             say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")
