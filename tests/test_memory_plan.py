@@ -25,8 +25,9 @@ QWEN3_4B = ModelDims.from_hf_config(  # Qwen/Qwen3-4B config.json; parameters as
 QWEN25_MATH_1_5B = ModelDims.from_hf_config(  # Qwen/Qwen2.5-Math-1.5B config.json
     {"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
      "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True}, 1_543_714_304)
-QWEN3_4B_LORA16 = 33_030_144
-"""Trainable parameters of rank-16 LoRA on every linear layer of Qwen3-4B (learners/lora.py parameter_counts)."""
+QWEN3_4B_LORA_PER_RANK = 2_064_384
+"""LoRA parameters per unit of rank on every linear layer of Qwen3-4B: 36 layers x (in + out) summed over
+q, k, v, o, gate, up, down (learners/lora.py parameter_counts gives 33,030,144 at rank 16)."""
 
 
 def env() -> dict:
@@ -72,8 +73,9 @@ def test_cli_refuses_a_learner_that_cannot_fit_and_names_the_keys(tmp_path):
 def recipe_dims(cfg) -> ModelDims:
     dims = QWEN3_4B if cfg.model.path == "Qwen/Qwen3-4B" else QWEN25_MATH_1_5B
     if cfg.learner.lora.enabled:
-        assert cfg.learner.lora.rank == 16 and dims is QWEN3_4B
-        dims = replace(dims, params=dims.params + QWEN3_4B_LORA16, trainable=QWEN3_4B_LORA16)
+        assert dims is QWEN3_4B
+        lora = cfg.learner.lora.rank * QWEN3_4B_LORA_PER_RANK
+        dims = replace(dims, params=dims.params + lora, trainable=lora)
     return dims
 
 
