@@ -1,7 +1,7 @@
 """`async-april` command line.
 
     async-april train CONFIG [section.key=value ...]   run training (embedded Ray or the surrounding cluster)
-    async-april check CONFIG [section.key=value ...]   resolve a config against the world, print it; starts no Ray or
+    async-april check CONFIG [section.key=value ...]   resolve a config against the world (memory plan included), print it; starts no Ray or
                                                        actor, but imports the reward/env modules the config names
     async-april build-model [--cache-dir D] [--seed S] build the tiny built-in model
     async-april eval CONFIG CHECKPOINT [k=v ...]       evaluate a checkpoint or HF directory on eval.datasets
@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in (("train", "run training: resolves the config (as `check` does), then starts Ray and the actors"),
                        ("check", "resolve a config against the world -- run dir, model, tokenizer, data (first rows), "
-                                 "rewards, resume target -- and print it; starts no Ray and no actor, but imports the "
+                                 "rewards, resume target, the learner's memory plan per rank -- and print it (refusing a learner that "
+                                 "cannot fit its GPU); starts no Ray and no actor, but imports the "
                                  "reward and environment modules the config names, so their import-time code runs")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/tiny_cpu.yaml")
