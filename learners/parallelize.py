@@ -75,9 +75,10 @@ def parallelize(
     torch/distributed/fsdp/_fully_shard/_fsdp_api.py: it "offloads parameters, gradients, and optimizer
     states to CPU. Sharded parameters are copied host-to-device before all-gather ... Sharded gradients
     are copied device-to-host in backward, and the optimizer step runs on CPU with CPU optimizer states"
-    (_fsdp_param.py keeps the padded shard on the CPU, pinned, and moves it to the mesh's device in
-    `all_gather_inputs`). The model must still be on the CPU here (_fsdp_param_group.py
-    `_validate_cpu_offload_params`); the caller builds it there. Pinning needs CUDA, so only on GPU.
+    (_fsdp_param.py `_init_sharded_param` copies each padded shard back to the CPU, pinned, after
+    _fsdp_init.py moved the unit to the mesh's device, and `all_gather_inputs` copies it in for each
+    all-gather; _fsdp_param_group.py `_validate_cpu_offload_params` checks the shards stay on the CPU).
+    Pinning needs CUDA, so only on GPU.
     """
     if activation_checkpointing:
         # transformers' own per-layer checkpointing keeps parameter names unchanged
