@@ -58,9 +58,10 @@ def test_plan_is_within_20_percent_of_a_real_learner_steps_peak(tiny):
     assert abs(planned - measured) <= 0.2 * measured, f"plan {planned:.3f} GB, measured {measured:.3f} GB"
 
 
-def test_cli_refuses_a_learner_that_cannot_fit_and_names_the_keys(tmp_path):
+def test_cli_refuses_a_learner_that_cannot_fit_and_names_the_keys(tiny, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "async_april", "check", str(REPO / "configs" / "tiny_cpu.yaml"),
-                           "learner.gpu_memory_gb=0.01", "learner.max_tokens_per_microbatch=4096", f"run.dir={tmp_path}/run"],
+                           f"model.path={tiny}", "learner.gpu_memory_gb=0.01", "learner.max_tokens_per_microbatch=4096",
+                           f"run.dir={tmp_path}/run"],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr
@@ -89,6 +90,17 @@ def test_every_recipe_fits_the_gpu_its_header_names(path):
     inputs = plan_inputs(cfg)
     assert inputs.gpu_memory_gb in (None, gb)  # a recipe that sets learner.gpu_memory_gb says the same
     assert refusal(recipe_dims(cfg), replace(inputs, gpu_memory_gb=gb)) is None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_cpu_configs_are_planned_but_not_refused(path):
+    """The CPU configs name no GPU: `check` prints their plan and refuses nothing (docs/learner.md, Memory plan)."""
+    cfg = load_config(path)
+    inputs = plan_inputs(cfg)
+    assert not inputs.on_gpu and inputs.gpu_memory_gb is None and inputs.sglang_engines == 0
+    dims = ModelDims.from_hf_config({"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                     "intermediate_size": 512, "vocab_size": 19}, 1_053_696)
+    assert plan(dims, inputs).budget_gb is None and refusal(dims, inputs) is None
 
 
 def test_qwen3_4b_1gpu_recipe_fits_an_80gb_gpu_with_sglang():
