@@ -14,7 +14,7 @@ import importlib.util
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 FLASH_ATTN_HINT = (
     "model.attn_implementation=flash_attention_2 needs FlashAttention 2 (the flash-attn package) and a CUDA GPU; "
@@ -63,12 +63,22 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
+    offload_optimizer: bool = False,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 and return it.
 
     mixed_precision: bf16 parameters in forward/backward, fp32 gradient
     reduction (GPU); off keeps everything fp32 (CPU). The fp32 master weights
     and optimizer state stay sharded either way.
+
+    offload_optimizer (learner.offload_optimizer): FSDP2's CPUOffloadPolicy. torch 2.13's
+    torch/distributed/fsdp/_fully_shard/_fsdp_api.py: it "offloads parameters, gradients, and optimizer
+    states to CPU. Sharded parameters are copied host-to-device before all-gather ... Sharded gradients
+    are copied device-to-host in backward, and the optimizer step runs on CPU with CPU optimizer states"
+    (_fsdp_param.py `_init_sharded_param` copies each padded shard back to the CPU, pinned, after
+    _fsdp_init.py moved the unit to the mesh's device, and `all_gather_inputs` copies it in for each
+    all-gather; _fsdp_param_group.py `_validate_cpu_offload_params` checks the shards stay on the CPU).
+    Pinning needs CUDA, so only on GPU.
     """
     if activation_checkpointing:
         # transformers' own per-layer checkpointing keeps parameter names unchanged
@@ -83,10 +93,12 @@ def parallelize(
         for layer in layers:
             layer.compile()  # in place: names stay `model.layers.N.*`
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_optimizer else OffloadPolicy()
     for i, layer in enumerate(layers):
         # The last layer is gathered again at once by the root's backward; keep it unsharded.
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     set_gradient_sum(model)
     return model
 

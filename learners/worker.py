@@ -91,7 +91,9 @@ class LearnerWorker(WeightExport):
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+            # Offloaded shards live on the CPU: their collectives (grad-norm, full_tensor) need gloo beside NCCL.
+            backend = ("cpu:gloo,cuda:nccl" if lc.offload_optimizer else "nccl") if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
 
         from transformers import AutoModelForCausalLM
 
@@ -116,7 +118,8 @@ class LearnerWorker(WeightExport):
         if self.lora is not None and gpu:
             lora.freeze_base_dtype(model, torch.bfloat16)  # frozen: no fp32 master copy needed
         self.model = parallelize(
-            model, self.mesh, mixed_precision=gpu, activation_checkpointing=lc.activation_checkpointing, compile=lc.compile
+            model, self.mesh, mixed_precision=gpu, activation_checkpointing=lc.activation_checkpointing, compile=lc.compile,
+            offload_optimizer=lc.offload_optimizer,
         )
         self.ref_model = parallelize(ref, self.mesh, mixed_precision=gpu) if ref is not None else None
         self.optimizer = torch.optim.AdamW(

@@ -363,6 +363,34 @@ def test_decoupled_kl_and_activation_checkpointing_paths(model_path):
     assert_close_dicts(sd, sd_ac, atol=1e-6)
 
 
+def test_optimizer_offload_trains_exactly_as_without(model_path):
+    """learner.offload_optimizer (FSDP2 CPUOffloadPolicy): the same losses, weights and AdamW state after two
+    steps. On CPU the shards already live on the host, so this pins that the policy changes no arithmetic
+    and that the optimizer still finds and updates every parameter (docs/learner.md, Memory plan)."""
+    batches = [make_batch(model_path, seed=s) for s in (5, 6)]
+    results = []
+    for offload in (False, True):
+        with local_worker(make_cfg(offload_optimizer=offload), model_path) as w:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy) for m in w.model.modules()
+                        if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None}
+            assert (policies == {CPUOffloadPolicy}) == offload
+            losses = [w.train_step(b)["loss/total"] for b in batches]
+            results.append((losses, w.full_state_dict(), w.full_optimizer_state_dict()))
+    (l0, sd0, osd0), (l1, sd1, osd1) = results
+    assert l0 == l1
+    assert_close_dicts(sd0, sd1, atol=0.0)
+    assert_close_dicts(osd0, osd1, atol=0.0)
+    assert any(not torch.equal(v, sd0[k]) for k, v in make_initial_state(model_path).items())  # it did train
+
+
+def make_initial_state(model_path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+
+
 def test_flash_attention_without_package_is_a_clear_error(monkeypatch):
     import importlib.util
 

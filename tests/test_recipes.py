@@ -175,6 +175,7 @@ def test_recipe_passes_async_april_check(path, substitutes, monkeypatch, capsys,
     assert f"data {source}: 64 prompts" in err  # check reads the first 64 rows; none rejected
     cfg = load_config(path)
     assert ("learner: LoRA" in err) == cfg.learner.lora.enabled and "weights + grads + AdamW" in err
+    assert "learner rank memory" in err and "logits" in err  # the memory plan (tests/test_memory_plan.py)
     assert f"resources: {cfg.rollout.num_actors * cfg.rollout.gpus_per_actor + cfg.learner.world_size * cfg.learner.gpus_per_rank:g} GPUs reserved" in err
 
 

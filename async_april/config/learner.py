@@ -157,6 +157,11 @@ class LearnerConfig(Section):
     """torch.compile each decoder layer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (off by default)."""
+    # -- memory plan (docs/learner.md, Memory plan): keep these two together
+    gpu_memory_gb: float | None = Field(None, gt=0.0)
+    """GPU memory (GB) `async-april check` plans each learner rank against (async_april/memory_plan.py); None: the GPU torch.cuda sees where check runs, and no refusal where it sees none."""
+    offload_optimizer: bool = False
+    """Keep the fp32 master weights, gradients and AdamW state in host memory and run the optimizer step on the CPU (FSDP2 `CPUOffloadPolicy`): the GPU holds only the gathered bf16 weights and activations. For a 1-GPU recipe that shares its GPU with SGLang; each step copies the weights in and the gradients out."""
 
     @model_validator(mode="after")
     def _check_decay(self) -> "LearnerConfig":

@@ -1,7 +1,7 @@
 """`async-april` command line.
 
     async-april train CONFIG [section.key=value ...]   run training (embedded Ray or the surrounding cluster)
-    async-april check CONFIG [section.key=value ...]   resolve a config against the world, print it; starts no Ray or
+    async-april check CONFIG [section.key=value ...]   resolve a config against the world (memory plan included), print it; starts no Ray or
                                                        actor, but imports the reward/env modules the config names
     async-april build-model [--cache-dir D] [--seed S] build the tiny built-in model
     async-april eval CONFIG CHECKPOINT [k=v ...]       evaluate a checkpoint or HF directory on eval.datasets
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in (("train", "run training: resolves the config (as `check` does), then starts Ray and the actors"),
                        ("check", "resolve a config against the world -- run dir, model, tokenizer, data (first rows), "
-                                 "rewards, resume target -- and print it; starts no Ray and no actor, but imports the "
+                                 "rewards, resume target, the learner's memory plan per rank -- and print it (refusing a learner that "
+                                 "cannot fit its GPU); starts no Ray and no actor, but imports the "
                                  "reward and environment modules the config names, so their import-time code runs")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/tiny_cpu.yaml")
@@ -117,8 +118,14 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             say(line)
         from learners.lora import describe_counts, parameter_counts
 
-        on_gpu = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and cfg.rollout.gpus_per_actor > 0)
-        say(describe_counts(parameter_counts(r.model_path, cfg.learner.lora), gpu_bf16=on_gpu))
+        from async_april.launch.memory_check import check_memory, learner_on_gpu, model_dims, plan, plan_inputs
+
+        counts = parameter_counts(r.model_path, cfg.learner.lora)
+        say(describe_counts(counts, gpu_bf16=learner_on_gpu(cfg)))
+        dims = model_dims(r.model_path, counts)
+        for line in plan(dims, plan_inputs(cfg)).table():
+            say(line)
+        check_memory(cfg, dims)  # refuses a learner that cannot fit, naming the keys to change
         live = cluster_layout_if_reachable(cfg)
         if live is None:
             say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")

@@ -142,6 +142,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     from async_april.placement import actor_options
     from async_april.store import RolloutStoreActor
     from learners.group import LearnerGroup
+    from async_april.launch.memory_check import engines_on_learner_gpu
     from learners.weight_sync import WeightSyncer
 
     resume, model_path = r.resume, str(r.model_path)
@@ -150,14 +151,23 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     # First, so that its engine loads while the learner starts (it dies with this driver if that fails).
     evaluator = Evaluator.create(cfg, model_path, r.eval_sets, resume.step if resume else 0,
                                  resume.controller_state() if resume else None)
+    push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
+    plan = plan_pinning(cfg)
+    pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
+    if engines_on_learner_gpu(cfg):
+        # SGLang takes mem_fraction_static of the memory free WHEN IT STARTS (sglang 0.5.23
+        # srt/mem_cache/kv_cache_configurator.py `_profile_available_bytes`, pre_model_load_memory measured in
+        # srt/distributed/bootstrap.py): start it before a learner on the same GPU takes any (async_april/memory_plan.py).
+        try:
+            pool.start(cfg.rollout.num_actors)
+        except BaseException:
+            pool.stop()
+            raise
     learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
     run.evaluator, run.restarts = evaluator, restarts
     record = PlacementRecord(cfg)
-    push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
-    plan = plan_pinning(cfg)
-    pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
     hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
     tuner = OffPolicyTuner.from_config(cfg)  # None unless eta or over-provisioning is `auto`
     driver_cores = process_cores()
@@ -165,7 +175,8 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
         if plan is not None:
             ray.get(store.pin_cpus.remote(plan.other_cores))
             pin_process(plan.other_cores)
-        pool.start(cfg.rollout.num_actors)  # the engines load while the learner's ranks initialise
+        if not pool.actors:
+            pool.start(cfg.rollout.num_actors)  # the engines load while the learner's ranks initialise
         if plan is not None and hasattr(learner, "pin_cpus"):
             learner.pin_cpus(plan.other_cores)  # waits for the learner to be ready
         if resume is not None:

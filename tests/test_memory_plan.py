@@ -1,0 +1,116 @@
+"""The learner's memory plan (async_april/memory_plan.py, `async-april check`): its figure against a real
+learner step's measured peak, the refusal of a recipe that cannot fit, the recipes against their GPUs,
+and learner.offload_optimizer (FSDP2 CPUOffloadPolicy) training exactly as without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from async_april.config import load_config
+from async_april.launch.memory_check import plan_inputs
+from async_april.memory_plan import ModelDims, PlanInputs, plan, refusal
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted(p for p in (REPO / "configs" / "recipes").glob("*.yaml"))
+QWEN3_4B = ModelDims.from_hf_config(  # Qwen/Qwen3-4B config.json; parameters as transformers counts them
+    {"model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+     "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936, "tie_word_embeddings": True}, 4_022_468_096)
+QWEN25_MATH_1_5B = ModelDims.from_hf_config(  # Qwen/Qwen2.5-Math-1.5B config.json
+    {"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+     "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True}, 1_543_714_304)
+QWEN3_4B_LORA_PER_RANK = 2_064_384
+"""LoRA parameters per unit of rank on every linear layer of Qwen3-4B: 36 layers x (in + out) summed over
+q, k, v, o, gate, up, down (learners/lora.py parameter_counts gives 33,030,144 at rank 16)."""
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from async_april.models import build_random_tiny_model
+
+    return build_random_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, max_position_embeddings=4096)
+
+
+def test_plan_is_within_20_percent_of_a_real_learner_steps_peak(tiny):
+    """tests/memory_probe.py trains a 1-rank CPU learner (32 rows x 128 tokens per micro-batch) and samples its
+    RSS; with glibc's mmap threshold fixed, freed tensors leave the RSS, so the peak over the built worker's
+    RSS, plus the weights it already held, is what the plan counts (weights, grads, AdamW, activations, logits)."""
+    tokens, row = 4096, 128
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "memory_probe.py"), str(tiny), str(tokens), str(row), "0", "0"],
+                          env={**env(), "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = (m["peak"] - m["init"] + 4 * m["params"]) / 1e9
+    dims = ModelDims.from_hf_config(json.loads((tiny / "config.json").read_text()), m["params"])
+    planned = plan(dims, PlanInputs(microbatch_tokens=tokens, longest_row=row, on_gpu=False)).total_gb
+    assert planned > 0.2  # activations dominate: the comparison tests the activation model
+    assert abs(planned - measured) <= 0.2 * measured, f"plan {planned:.3f} GB, measured {measured:.3f} GB"
+
+
+def test_cli_refuses_a_learner_that_cannot_fit_and_names_the_keys(tiny, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "async_april", "check", str(REPO / "configs" / "tiny_cpu.yaml"),
+                           f"model.path={tiny}", "learner.gpu_memory_gb=0.01", "learner.max_tokens_per_microbatch=4096",
+                           f"run.dir={tmp_path}/run"],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr
+    assert "learner rank memory" in err and "activations" in err  # the table is printed before the refusal
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: the learner needs") and "of the 0.01 GB GPU" in line
+    assert "learner.activation_checkpointing=true" in line and "learner.max_tokens_per_microbatch=" in line
+
+
+def recipe_dims(cfg) -> ModelDims:
+    dims = QWEN3_4B if cfg.model.path == "Qwen/Qwen3-4B" else QWEN25_MATH_1_5B
+    if cfg.learner.lora.enabled:
+        assert dims is QWEN3_4B
+        lora = cfg.learner.lora.rank * QWEN3_4B_LORA_PER_RANK
+        dims = replace(dims, params=dims.params + lora, trainable=lora)
+    return dims
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_fits_the_gpu_its_header_names(path):
+    """Each recipe's header names its GPU (`# GPU: 80 GB ...`); the plan with the real model's numbers fits it."""
+    header = path.read_text().splitlines()[1]
+    assert header.startswith("# GPU: ") and " GB" in header, f"{path.name}: second line must name the GPU's memory"
+    gb = float(header.removeprefix("# GPU: ").split(" GB")[0])
+    cfg = load_config(path)
+    inputs = plan_inputs(cfg)
+    assert inputs.gpu_memory_gb in (None, gb)  # a recipe that sets learner.gpu_memory_gb says the same
+    assert refusal(recipe_dims(cfg), replace(inputs, gpu_memory_gb=gb)) is None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_cpu_configs_are_planned_but_not_refused(path):
+    """The CPU configs name no GPU: `check` prints their plan and refuses nothing (docs/learner.md, Memory plan)."""
+    cfg = load_config(path)
+    inputs = plan_inputs(cfg)
+    assert not inputs.on_gpu and inputs.gpu_memory_gb is None and inputs.sglang_engines == 0
+    dims = ModelDims.from_hf_config({"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                     "intermediate_size": 512, "vocab_size": 19}, 1_053_696)
+    assert plan(dims, inputs).budget_gb is None and refusal(dims, inputs) is None
+
+
+def test_qwen3_4b_1gpu_recipe_fits_an_80gb_gpu_with_sglang():
+    """Issue 26 item 16: fp32 weights, grads and AdamW (~64 GB) beside SGLang on one 80 GB GPU did not fit."""
+    cfg = load_config(REPO / "configs" / "recipes" / "qwen3-4b_dapo_1gpu_async.yaml")
+    inputs = plan_inputs(cfg)
+    assert inputs.sglang_engines == 1 and inputs.gpu_memory_gb == 80
+    assert refusal(QWEN3_4B, inputs) is None
+    p = plan(QWEN3_4B, inputs)
+    assert p.host_gb == pytest.approx(16 * QWEN3_4B.params / 1e9)  # fp32 master + grads + AdamW on the host
+    # The same settings without offload do not fit, and the refusal names the key that fixes it.
+    message = refusal(QWEN3_4B, replace(inputs, offload_optimizer=False))
+    assert message is not None and "learner.offload_optimizer=true" in message
