@@ -5,7 +5,8 @@ runs under torchrun or in a single process (world_size=1) for tests.
 
     train_step(batch):
         mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)
-        rows of this rank = mini.shard(rank, world)        global_tokens / sequences from the FULL mini-batch
+        rows of this rank = mini.shard(dp_rank, dp_size)   global_tokens / sequences from the FULL mini-batch
+        [learner.sequence_parallel S > 1: dp = rank // S of world // S; the S ranks split each row's positions]
         [decoupled/none/rejection against pi_prox, several mini-batches, or rejected tokens out of the
          normaliser: proximal logprobs of every row, no grad, pre-update weights (learners/update.py)]
         [rejected tokens out of the normaliser: global_tokens / sequences = the KEPT ones, summed over ranks]

@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 TEMPERATURE = 0.9
-SP_CFG = dict(max_tokens_per_microbatch=64, algorithm={"loss": "gspo", "aggregation": "seq_mean_token_mean"})
+SP_CFG = {"max_tokens_per_microbatch": 64, "algorithm": {"loss": "gspo", "aggregation": "seq_mean_token_mean"}}
 """GSPO's sequence ratio and the per-sequence mean need each row's logprobs whole: the gather makes them so."""
 
 
@@ -124,7 +124,7 @@ def test_sp2_equals_sp1_in_logprobs_loss_and_gradients(model_path, tmp_path):
         assert m[key] == pytest.approx(want[key], abs=1e-5), key
     assert m["loss/tokens"] == want["loss/tokens"]  # counted once per sp group
     for name, value in sd.items():
-        torch.testing.assert_close(got["sd"][name], value, atol=1e-5, rtol=0, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(got["sd"][name], value, atol=1e-5, rtol=0, msg=lambda s, n=name: f"{n}: {s}")
 
 
 def test_bad_layouts_are_clear_errors(model_path):

@@ -162,7 +162,7 @@ class LearnerConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_sequence_parallel(self) -> "LearnerConfig":
+    def _check_sequence_parallel(self) -> LearnerConfig:
         if self.world_size % self.sequence_parallel:
             # The same check as learners/sequence_parallel.py (this module imports no torch).
             raise ValueError(f"learner.sequence_parallel={self.sequence_parallel} must divide learner.world_size="
