@@ -5,7 +5,8 @@ runs under torchrun or in a single process (world_size=1) for tests.
 
     train_step(batch):
         mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)
-        rows of this rank = mini.shard(rank, world)        global_tokens / sequences from the FULL mini-batch
+        rows of this rank = mini.shard(dp_rank, dp_size)   global_tokens / sequences from the FULL mini-batch
+        [learner.sequence_parallel S > 1: dp = rank // S of world // S; the S ranks split each row's positions]
         [decoupled/none/rejection against pi_prox, several mini-batches, or rejected tokens out of the
          normaliser: proximal logprobs of every row, no grad, pre-update weights (learners/update.py)]
         [rejected tokens out of the normaliser: global_tokens / sequences = the KEPT ones, summed over ranks]
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from async_april.errors import WeightsDivergedError
 from learners import checkpoint as ckpt
 from learners import lora
+from learners import sequence_parallel as seqpar
 from learners.chunked_logprobs import install_logprob_head
 from learners.hf_dir import write_hf_dir
 from learners.logprobs import collate, response_logprobs
@@ -107,6 +109,9 @@ class LearnerWorker(WeightExport):
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
         install_logprob_head(model)  # before the copy and FSDP2: logprobs come from the head, not full logits
         self.hf_config = model.config
+        # Sequence parallelism (learners/sequence_parallel.py): Ulysses attention, rows sharded over "dp" only.
+        self.sp = seqpar.setup(model, world_size, lc.sequence_parallel, self.device.type)
+        self.dp_rank, self.dp_size = (self.sp.dp_rank, self.sp.dp_size) if self.sp else (rank, world_size)
         self.num_params = sum(p.numel() for p in model.parameters())
         ref = None
         if cfg.algorithm.kl_coef > 0:
@@ -145,7 +150,7 @@ class LearnerWorker(WeightExport):
             raise ValueError("train_step got a batch with no response tokens")
         lc = self.cfg.learner
         minis = split_mini_batches(batch, lc.mini_batches)  # identical on every rank
-        parts = [m.shard(self.rank, self.world_size) for m in minis]
+        parts = [m.shard(self.dp_rank, self.dp_size) for m in minis]
         if needs_proximal_forward(self.loss_settings, lc.mini_batches):
             parts = [self._with_proximal(p) for p in parts]  # all of it before the first update
         lr = self.scheduler.get_last_lr()[0]
@@ -191,7 +196,8 @@ class LearnerWorker(WeightExport):
         batch_tokens = float(mini.num_response_tokens)
         global_tokens, global_sequences = batch_tokens, float(len(mini))
         if self.loss_settings.rejection.counts_before_step:  # rejected tokens leave the normaliser
-            kept = torch.tensor(kept_counts(local, self.loss_settings), dtype=torch.int64, device=self.device)
+            counts = kept_counts(local, self.loss_settings) if self._counts_rows else (0, 0)  # once per sp group
+            kept = torch.tensor(counts, dtype=torch.int64, device=self.device)
             dist.all_reduce(kept, op=dist.ReduceOp.SUM)
             # Every token rejected: the loss is zero whatever divides it.
             global_tokens, global_sequences = float(max(int(kept[0]), 1)), float(max(int(kept[1]), 1))
@@ -214,8 +220,8 @@ class LearnerWorker(WeightExport):
             ref_lp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_lp = response_logprobs(self.ref_model, mb, temperature)
-            logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)
+                    ref_lp = self._logprobs(self.ref_model, mb, temperature)
+            logprobs, entropy = self._logprobs(self.model, mb, temperature, with_entropy=True)
             prox = mb.proximal_logprobs
             if prox is None and reads_prox:
                 # One update per batch: the pre-update (proximal) policy IS the current parameters,
@@ -237,9 +243,10 @@ class LearnerWorker(WeightExport):
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
-        gathered = self._gather_objects(
-            {"micro": per_micro, "loss": float(loss_sum), "tokens": tokens, "peak_mem_gb": self.peak_mem_gb()}
-        )
+        mine = {"micro": per_micro, "loss": float(loss_sum), "tokens": tokens}
+        if not self._counts_rows:  # the sp group's ranks hold the same rows and loss: count them once
+            mine = {"micro": [], "loss": 0.0, "tokens": 0}
+        gathered = self._gather_objects({**mine, "peak_mem_gb": self.peak_mem_gb()})
         total_loss = sum(g["loss"] for g in gathered)
         skipped = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
         if skipped:
@@ -300,10 +307,20 @@ class LearnerWorker(WeightExport):
                     self.model(input_ids=torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device), use_cache=False)
                     continue
                 sub = local.select(groups[i])
-                lp = response_logprobs(self.model, self._collate(sub), self.cfg.rollout.temperature).float().cpu().numpy()
+                lp = self._logprobs(self.model, self._collate(sub), self.cfg.rollout.temperature).float().cpu().numpy()
                 for j, row in enumerate(groups[i]):
                     prox[row] = lp[j, : len(sub.behavior_logprobs[j])]
         return dataclasses.replace(local, proximal_logprobs=prox)
+
+    @property
+    def _counts_rows(self) -> bool:
+        """Whether this rank reports its rows' counts and metrics (under sequence parallelism only sp rank 0)."""
+        return self.sp is None or self.sp.rank == 0
+
+    def _logprobs(self, model, mb, temperature: float, with_entropy: bool = False):
+        if self.sp is not None:
+            return seqpar.sp_response_logprobs(model, mb, temperature, self.sp, with_entropy)
+        return response_logprobs(model, mb, temperature, with_entropy)
 
     def _collate(self, sub: "TrainBatch"):
         return collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id,

@@ -157,6 +157,8 @@ class LearnerConfig(Section):
     """torch.compile each decoder layer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (off by default)."""
+    sequence_parallel: int = Field(1, ge=1, le=4096)
+    """Ulysses sequence parallelism: each row's positions are split over this many ranks, which all-to-all over attention heads (docs/learner.md, Sequence parallelism). Must divide `world_size` and the model's attention and KV heads; the ranks form world_size / sequence_parallel data-parallel groups, FSDP2 shards over all ranks."""
     # -- memory plan (docs/learner.md, Memory plan): keep these two together
     gpu_memory_gb: float | None = Field(None, gt=0.0)
     """GPU memory (GB) `async-april check` plans each learner rank against (async_april/memory_plan.py); None: the GPU torch.cuda sees where check runs, and no refusal where it sees none."""
@@ -169,6 +171,15 @@ class LearnerConfig(Section):
             # AdamW decays decoupled: p <- p * (1 - lr * weight_decay); at >= 1 every step zeroes or flips the weights.
             raise ValueError(f"learner.lr x learner.weight_decay = {self.lr * self.weight_decay:g} must be below 1 "
                              "(AdamW multiplies the weights by 1 - lr x weight_decay each step); lower one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> LearnerConfig:
+        if self.world_size % self.sequence_parallel:
+            # The same check as learners/sequence_parallel.py (this module imports no torch).
+            raise ValueError(f"learner.sequence_parallel={self.sequence_parallel} must divide learner.world_size="
+                             f"{self.world_size} (the ranks form world_size / sequence_parallel data-parallel groups); "
+                             f"set learner.world_size to a multiple of {self.sequence_parallel}")
         return self
 
 
