@@ -202,7 +202,7 @@ class LearnerWorker(WeightExport):
             # Every token rejected: the loss is zero whatever divides it.
             global_tokens, global_sequences = float(max(int(kept[0]), 1)), float(max(int(kept[1]), 1))
         lengths = np.array([len(x) for x in local.input_ids], np.int64)
-        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self.cfg.learner.packing)
+        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self._packed)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
         temperature = self.cfg.rollout.temperature
         reads_prox = self.loss_settings.needs_proximal
@@ -298,7 +298,7 @@ class LearnerWorker(WeightExport):
         """`local` with the current (pre-update) policy's logprob of every response token: no-grad
         forwards over the same micro-batches as training. Collective: every rank runs as many."""
         lengths = np.array([len(x) for x in local.input_ids], np.int64)
-        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self.cfg.learner.packing)
+        groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self._packed)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
         prox: list[np.ndarray | None] = [None] * len(local)
         with torch.no_grad():
@@ -322,10 +322,16 @@ class LearnerWorker(WeightExport):
             return seqpar.sp_response_logprobs(model, mb, temperature, self.sp, with_entropy)
         return response_logprobs(model, mb, temperature, with_entropy)
 
+    @property
+    def _packed(self) -> bool:
+        """Packed micro-batches (learner.packing), except under sequence parallelism, which slices
+        each right-padded row's positions across the sp ranks."""
+        return self.cfg.learner.packing and self.sp is None
+
     def _collate(self, sub: "TrainBatch"):
         return collate(sub.input_ids, sub.prompt_lens, sub.behavior_logprobs, sub.advantages, self.device, self.pad_id,
                        proximal_logprobs=sub.proximal_logprobs, loss_masks=sub.loss_masks,
-                       versions=sub.versions, policy_version=sub.policy_version, packed=self.cfg.learner.packing)
+                       versions=sub.versions, policy_version=sub.policy_version, packed=self._packed)
 
     def _zero_loss_backward(self) -> None:
         dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
