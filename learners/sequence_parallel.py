@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from learners.logprobs import MicroBatch, token_entropy, token_logprobs
+from learners.chunked_logprobs import LogprobRequest, logprob_request
+from learners.logprobs import MicroBatch
 
 ATTN_NAME = "ulysses_sdpa"
 """The attention implementation registered with transformers' AttentionInterface."""
@@ -190,8 +191,10 @@ def sp_response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, s
     n = full // sp.size
     lo = sp.rank * n
     positions = torch.arange(lo, lo + n, device=ids.device).unsqueeze(0).expand(rows, n)
-    logits = model(input_ids=ids[:, lo : lo + n], position_ids=positions, use_cache=False).logits
-    lp = gather_slices(token_logprobs(logits, targets[:, lo : lo + n], temperature), sp.group, dim=1)  # [B, full]
+    # The slice's logprobs (and entropy) come from the chunked head: no [B, n, vocab] logits kept.
+    with logprob_request(model, LogprobRequest(targets[:, lo : lo + n], temperature, with_entropy)) as req:
+        model(input_ids=ids[:, lo : lo + n], position_ids=positions, use_cache=False)
+    lp = gather_slices(req.logprobs, sp.group, dim=1)  # [B, full]
     resp_len = mb.response_mask.shape[1]
     offs = (mb.prompt_lens - 1).unsqueeze(1) + torch.arange(resp_len, device=lp.device).unsqueeze(0)
     offs = offs.clamp(max=full - 1)
@@ -199,5 +202,5 @@ def sp_response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, s
     if not with_entropy:
         return out
     with torch.no_grad():
-        ent = gather_slices(token_entropy(logits, temperature), sp.group, dim=1)
+        ent = gather_slices(req.entropy, sp.group, dim=1)
     return out, ent.gather(1, offs) * mb.response_mask
