@@ -171,7 +171,7 @@ def plan(m: ModelDims, s: PlanInputs) -> Plan:
     acts += m.hidden * tokens * (8 + c)  # the final norm and lm_head's input
     positions = tokens if s.logits_path == "full" else min(tokens, CHUNK_POSITIONS)
     logits = 8 * positions * m.vocab
-    gathered = c * (2 * m.root_params + 4 * m.layer_params) if (ws > 1 or s.on_gpu or s.offload_optimizer) else 0.0
+    gathered = c * (2 * m.root_params + 4 * m.layer_params)  # FSDP2 all-gathers into its own buffer at any world size
     rows = [
         ("parameters", state["parameters"] + frozen_bytes,
          "offloaded" if s.offload_optimizer else f"fp32 master / {ws} ranks" + (", frozen base bf16" if frozen and s.on_gpu else "")),

@@ -48,7 +48,7 @@ def test_plan_is_within_20_percent_of_a_real_learner_steps_peak(tiny):
     tokens, row = 4096, 128
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "memory_probe.py"), str(tiny), str(tokens), str(row), "0", "0"],
                           env={**env(), "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     measured = (m["peak"] - m["init"] + 4 * m["params"]) / 1e9
@@ -62,7 +62,7 @@ def test_cli_refuses_a_learner_that_cannot_fit_and_names_the_keys(tiny, tmp_path
     proc = subprocess.run([sys.executable, "-m", "async_april", "check", str(REPO / "configs" / "tiny_cpu.yaml"),
                            f"model.path={tiny}", "learner.gpu_memory_gb=0.01", "learner.max_tokens_per_microbatch=4096",
                            f"run.dir={tmp_path}/run"],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr
     assert "learner rank memory" in err and "activations" in err  # the table is printed before the refusal

@@ -9,7 +9,14 @@ from pathlib import Path
 
 from async_april.config import Config
 from async_april.errors import UserError
-from async_april.memory_plan import LogitsPath, ModelDims, Plan, PlanInputs, plan, refusal
+from async_april.memory_plan import (
+    LogitsPath,
+    ModelDims,
+    Plan,
+    PlanInputs,
+    plan,
+    refusal,
+)
 
 __all__ = ["MemoryPlanError", "check_memory", "learner_on_gpu", "model_dims", "plan", "plan_inputs"]
 
