@@ -17,8 +17,9 @@ What a rank holds, as learners/worker.py and learners/parallelize.py build it:
                learner.max_tokens_per_microbatch and the longest row, prompt + rollout.max_new_tokens:
                a longer row is trained alone); with activation checkpointing each layer keeps only its
                input and one layer is recomputed at a time
-  logits       full: the [T, vocab] fp32 logits autograd keeps plus their gradient (8 B x T x vocab);
-               chunked: one chunk of CHUNK_POSITIONS positions at a time
+  logits       chunked (the learner's path, learners/chunked_logprobs.py): one chunk of CHUNK_POSITIONS
+               positions at a time; full (the old path, for comparison): the [T, vocab] fp32 logits
+               autograd keeps plus their gradient (8 B x T x vocab)
   reserve      on GPU: the CUDA context and the caching allocator's fragmentation
 
 Colocated with SGLang (learner.gpus_per_rank < 1), the engine takes `mem_fraction_static` of the
@@ -34,8 +35,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 GB = 1e9
-CHUNK_POSITIONS = 2048
-"""Positions per chunk on the chunked logits path (learners/logprobs.py CHUNK_TOKENS)."""
+CHUNK_POSITIONS = 1024
+"""Positions per chunk on the chunked logits path: learners/chunked_logprobs.py CHUNK_POSITIONS (a test
+keeps the two equal); forward and backward each hold one [chunk, vocab] fp32 block and its gradient."""
 CUDA_CONTEXT_GB = 1.0
 """The CUDA context and NCCL buffers of a rank, outside the caching allocator."""
 FRAGMENTATION = 0.10
@@ -99,7 +101,7 @@ class PlanInputs:
     longest_row: int = 0  # data.max_prompt_len + rollout.max_new_tokens
     activation_checkpointing: bool = False  # learner.activation_checkpointing
     offload_optimizer: bool = False  # learner.offload_optimizer
-    logits_path: LogitsPath = "full"
+    logits_path: LogitsPath = "chunked"  # the learner computes logprobs in its head, in chunks
     on_gpu: bool = True  # bf16 compute and the CUDA reserve; else fp32 on CPU
     gpu_memory_gb: float | None = None  # learner.gpu_memory_gb, or torch.cuda's
     sglang_share: float | None = None  # rollout.sglang.mem_fraction_static when colocated, else None

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from async_april.errors import WeightsDivergedError
 from learners import checkpoint as ckpt
-from learners import lora
+from learners import lora, packed_attention
 from learners import sequence_parallel as seqpar
 from learners.chunked_logprobs import install_logprob_head
 from learners.hf_dir import write_hf_dir
@@ -106,6 +106,8 @@ class LearnerWorker(WeightExport):
 
         random.seed(seed)
         attn = resolve_attn_implementation(cfg.model.attn_implementation)
+        if attn == "sdpa" and lc.packing and lc.sequence_parallel == 1:
+            attn = packed_attention.register()  # packed rows without a [T, T] mask (learners/packed_attention.py)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
         install_logprob_head(model)  # before the copy and FSDP2: logprobs come from the head, not full logits
         self.hf_config = model.config

@@ -114,3 +114,12 @@ def test_qwen3_4b_1gpu_recipe_fits_an_80gb_gpu_with_sglang():
     # The same settings without offload do not fit, and the refusal names the key that fixes it.
     message = refusal(QWEN3_4B, replace(inputs, offload_optimizer=False))
     assert message is not None and "learner.offload_optimizer=true" in message
+
+
+def test_the_plans_logits_chunk_is_the_learners():
+    """The plan charges the chunked head's [chunk, vocab] block: the same chunk the learner uses."""
+    from async_april import memory_plan
+    from learners import chunked_logprobs
+
+    assert memory_plan.CHUNK_POSITIONS == chunked_logprobs.CHUNK_POSITIONS
+    assert plan_inputs(load_config(REPO / "configs" / "tiny_cpu.yaml")).logits_path == "chunked"

@@ -13,6 +13,7 @@ import torch
 
 from async_april.algorithms.losses import LossSettings, policy_loss
 from async_april.config import config_from_dict
+from learners import packed_attention
 from learners.chunked_logprobs import chunked_logprobs
 from learners.logprobs import collate, response_logprobs, token_entropy, token_logprobs
 from learners.update import pack_micro_batches
@@ -47,10 +48,12 @@ def test_chunked_logprobs_equal_full_logits_in_values_and_gradients(temperature)
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 
 
-def tiny_model(path: str, dtype=torch.float64):
+def tiny_model(path: str, dtype=torch.float64, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").train()
+    if attn == "sdpa_packed":
+        packed_attention.register()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).train()
 
 
 BUDGET = 24
@@ -71,9 +74,12 @@ def ragged_rows(vocab: int, seed: int = 0):
     return ids, plens, blp, adv, prox, masks, versions
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
-def test_packed_equals_padded_in_logprobs_loss_metrics_and_gradients(model_path, aggregation):  # noqa: F811
-    model = tiny_model(model_path)
+@pytest.mark.parametrize(("aggregation", "attn"), [("token_mean", "sdpa"), ("seq_mean_token_mean", "sdpa"),
+                                                    ("constant", "sdpa"), ("token_mean", "sdpa_packed")])
+def test_packed_equals_padded_in_logprobs_loss_metrics_and_gradients(model_path, aggregation, attn):  # noqa: F811
+    """`sdpa`: transformers' block-diagonal mask; `sdpa_packed` (the learner's): per-row attention, and
+    the same padded path (its mask function keeps transformers' padding mask)."""
+    model = tiny_model(model_path, attn=attn)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: both uses get gradient
     ids, plens, blp, adv, prox, masks, versions = ragged_rows(model.config.vocab_size)
     cfg = config_from_dict({"algorithm": {"correction": "decoupled", "aggregation": aggregation, "kl_coef": 0.0}})
@@ -207,3 +213,25 @@ def test_fsdp_learner_loss_and_gradient_norm_equal_a_plain_full_logits_computati
     assert m["train/micro_batches"] >= 2 and grad_norm > 0
     assert m["loss/total"] == pytest.approx(loss.item(), abs=1e-6)
     assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+
+
+def test_packed_sdpa_attends_row_by_row_without_a_full_mask(model_path, monkeypatch):  # noqa: F811
+    """learners/packed_attention.py: a packed forward runs one unmasked causal attention per row (the
+    measured reason: a masked [T, T] sdpa doubled the tiny learner's peak memory), none over all T."""
+    model = tiny_model(model_path, attn="sdpa_packed")
+    ids, plens, blp, adv, *_ = ragged_rows(model.config.vocab_size, seed=2)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.shape[2], attn_mask is None, kw.get("is_causal")))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        response_logprobs(model, collate(ids, plens, blp, adv, packed=True), TEMPERATURE)
+    layers = model.config.num_hidden_layers
+    assert sorted(q for q, *_ in seen) == sorted([len(x) for x in ids] * layers)  # each row once per layer
+    assert max(q for q, *_ in seen) < sum(len(x) for x in ids)
+    assert all(unmasked for _, unmasked, _ in seen)
+    assert packed_attention.segment_lengths(torch.tensor([[0, 1, 2, 0, 0, 1]])) == [3, 1, 2]

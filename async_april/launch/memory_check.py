@@ -51,7 +51,7 @@ def gpu_memory_gb(cfg: Config) -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
-def plan_inputs(cfg: Config, logits_path: LogitsPath = "full") -> PlanInputs:
+def plan_inputs(cfg: Config, logits_path: LogitsPath = "chunked") -> PlanInputs:
     lc, r = cfg.learner, cfg.rollout
     engines = engines_on_learner_gpu(cfg)
     return PlanInputs(world_size=lc.world_size, microbatch_tokens=lc.max_tokens_per_microbatch,
