@@ -130,9 +130,9 @@ def main() -> None:
             results = dict(zip((1, 2), pool.map(search, (1, 2))))
     ratio = results[2]["longest"] / max(results[1]["longest"], 1)
     print(f"\nper-rank budget {args.budget_gb} GB peak RSS, 2 gloo ranks on CPU, Qwen2 {MODEL}")
-    print(f"{'layout':28s} {'longest response that trains':>30s}")
-    print(f"{'sequence_parallel=1 (2 dp)':28s} {results[1]['longest']:>30d}")
-    print(f"{'sequence_parallel=2 (1 sp)':28s} {results[2]['longest']:>30d}")
+    print(f"{'layout':28s} {'longest row that trains':>24s} {'of which response':>18s}")
+    for sp, name in ((1, "sequence_parallel=1 (2 dp)"), (2, "sequence_parallel=2 (1 sp)")):
+        print(f"{name:28s} {results[sp]['longest']:>24d} {results[sp]['longest'] - PROMPT:>18d}")
     print(f"ratio sp=2 / sp=1: {ratio:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
