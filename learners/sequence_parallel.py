@@ -184,6 +184,8 @@ def sp_response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, s
     """`learners.logprobs.response_logprobs` under sequence parallelism: the same [B, Tresp] on every rank
     of the sp group (and entropy, no gradient), each rank running the model on its slice of positions."""
     rows, seq_len = mb.input_ids.shape
+    if int(mb.prompt_lens.min()) < 1:
+        raise ValueError("every row needs at least one prompt token")  # as response_logprobs
     full = padded_length(seq_len, sp.size)
     ids = F.pad(mb.input_ids, (0, full - seq_len))  # right padding: never attended by real tokens, never scored
     targets = torch.zeros_like(ids)

@@ -114,6 +114,7 @@ class LearnerWorker(WeightExport):
         # Sequence parallelism (learners/sequence_parallel.py): Ulysses attention, rows sharded over "dp" only.
         self.sp = seqpar.setup(model, world_size, lc.sequence_parallel, self.device.type)
         self.dp_rank, self.dp_size = (self.sp.dp_rank, self.sp.dp_size) if self.sp else (rank, world_size)
+        self._counts_rows = self.sp is None or self.sp.rank == 0  # an sp group's ranks share rows: report them once
         self.num_params = sum(p.numel() for p in model.parameters())
         ref = None
         if cfg.algorithm.kl_coef > 0:
@@ -313,11 +314,6 @@ class LearnerWorker(WeightExport):
                 for j, row in enumerate(groups[i]):
                     prox[row] = lp[j, : len(sub.behavior_logprobs[j])]
         return dataclasses.replace(local, proximal_logprobs=prox)
-
-    @property
-    def _counts_rows(self) -> bool:
-        """Whether this rank reports its rows' counts and metrics (under sequence parallelism only sp rank 0)."""
-        return self.sp is None or self.sp.rank == 0
 
     def _logprobs(self, model, mb, temperature: float, with_entropy: bool = False):
         if self.sp is not None:
