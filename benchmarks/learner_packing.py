@@ -100,7 +100,8 @@ def memory_child(path: str, positions: int, hidden: int) -> None:
     w = (torch.randn(VOCAB_MEM, hidden) * 0.02).requires_grad_(True)
     t = torch.randint(0, VOCAB_MEM, (positions,))
     w.grad = torch.zeros_like(w)  # the parameter's gradient exists in training either way
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The current RSS, not the high-water mark so far (importing torch may have peaked above it).
+    base = int(next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS")).split()[1]) * 1024
     t0 = time.perf_counter()
     lp = token_logprobs(h @ w.t(), t) if path == "full" else chunked_logprobs(h, w, t)
     lp.sum().backward()
