@@ -1,6 +1,6 @@
 """Learner micro-batches: packed vs right-padded tokens/s, and the chunked logprob head's peak memory.
 
-(a) throughput: a small random Qwen2 (hidden 256, 4 layers, 32k vocabulary, built here, fp32, sdpa),
+(a) throughput: a small random Qwen2 (hidden 256, 4 layers, 8k vocabulary, built here, fp32, sdpa),
     one long-tailed batch (response lengths from a clipped lognormal: mostly short, a long tail,
     APRIL's shape scaled to CPU), forward + backward of the learner's logprob path over the batch's
     micro-batches (`pack_micro_batches` at the same token budget), packed and padded repeats
@@ -47,7 +47,7 @@ def throughput(args) -> dict:
     from learners.update import pack_micro_batches
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32_768, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+    cfg = Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       tie_word_embeddings=True, attn_implementation="sdpa")
     model = Qwen2ForCausalLM(cfg).train()
@@ -100,7 +100,8 @@ def memory_child(path: str, positions: int, hidden: int) -> None:
     w = (torch.randn(VOCAB_MEM, hidden) * 0.02).requires_grad_(True)
     t = torch.randint(0, VOCAB_MEM, (positions,))
     w.grad = torch.zeros_like(w)  # the parameter's gradient exists in training either way
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The current RSS, not the high-water mark so far (importing torch may have peaked above it).
+    base = int(next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS")).split()[1]) * 1024
     t0 = time.perf_counter()
     lp = token_logprobs(h @ w.t(), t) if path == "full" else chunked_logprobs(h, w, t)
     lp.sum().backward()
@@ -129,10 +130,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--positions", type=int, nargs="*", default=[4096], help="logprob positions for (b); 8192 needs ~16 GB")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size for (b)")
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--max-response", type=int, default=1536)
-    ap.add_argument("--budget", type=int, default=2048, help="learner.max_tokens_per_microbatch for (a)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--max-response", type=int, default=512)
+    ap.add_argument("--budget", type=int, default=1024, help="learner.max_tokens_per_microbatch for (a)")
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
     import torch
