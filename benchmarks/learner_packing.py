@@ -43,14 +43,17 @@ def throughput(args) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from learners import packed_attention
     from learners.logprobs import collate, response_logprobs
     from learners.update import pack_micro_batches
 
     torch.manual_seed(0)
+    attn = packed_attention.register()  # the learner's sdpa: packed rows attend row by row, padded ones as sdpa
     cfg = Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, attn_implementation="sdpa")
+                      tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg).train()
+    model.set_attn_implementation(attn)
     rng = np.random.default_rng(0)
     resp = long_tailed_lengths(rng, args.rows, args.max_response)
     prompts = rng.integers(16, 64, args.rows)
