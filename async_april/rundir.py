@@ -41,9 +41,9 @@ from async_april.runlock import LOCK_FILE, RunLock
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Set by Ray 2.x's job supervisor in the environment of every `ray job submit` driver."""
 RUN_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "wandb", "wandb_run_id",
-                         "weights", "hf", "metrics.png", LOCK_FILE})
+                         "weights", "hf", "metrics.png", "placement.json", "placement.json.tmp", LOCK_FILE})
 """What a run writes into its directory (weights/: the disk weight transport; metrics.png: `async-april plot`;
-run.lock: the lock of the run using it)."""
+placement.json: where its actors ran, async_april/placement.py; run.lock: the lock of the run using it)."""
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", LOCK_FILE)
 """One of these makes a directory a run directory (what run.overwrite may move aside)."""
 

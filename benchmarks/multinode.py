@@ -3,8 +3,9 @@ generation nodes, and the steps/s lost to a node failure.
 
 One cluster: a head (2 CPUs: driver, store, the simulated learner) and 4 worker nodes of 1 CPU each
 declaring `gen`, so `placement.generation=resource:gen` with `spread` gives one generation actor per
-node. The simulated engine (lognormal lengths, 4096-token cap, 0.03 real s per simulated s) and
-learners/simulated.py's learner (2 simulated s per step) keep the runs rollout-bound.
+node. The simulated engine (lognormal lengths, 4096-token cap, 0.03 real s per simulated s, 16
+requests in flight per engine, so a batch of 16 x 8 responses takes 8 waves on one engine and 2 on
+four) and learners/simulated.py's learner (2 simulated s per step) keep the runs rollout-bound.
 
   scaling: the sync preset with 1, 2 and 4 actors (= nodes), side by side, `--repeats` rounds
            interleaved; generated tokens/s over the steps after 2 warm-up steps, and scaling
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from tests.multinode import LocalCluster  # noqa: E402
 
 SIM = ["rollout.engine=simulated", "rollout.simulated_lengths=lognormal", "rollout.simulated_time_scale=0.03",
-       "rollout.max_new_tokens=4096", "rollout.batch_groups=16", "rollout.n_samples=8", "rollout.concurrency=64",
+       "rollout.max_new_tokens=4096", "rollout.batch_groups=16", "rollout.n_samples=8", "rollout.concurrency=16",
        "run.pin_cpus=false", "placement.generation=resource:gen", "placement.learner=resource:head"]
 
 

@@ -4,7 +4,7 @@
                                            file written here) and the model directory? else a UserError
     PlacementRecord.update(...)            asks every actor which node it is on (Ray's own answer) and
                                            writes run.dir/placement.json (docs/cluster.md)
-    LOST_STATE                             the errors that mean a learner rank or the store is gone: the
+    lost_state_errors() / restart_or_raise the errors that mean a learner rank or the store is gone: the
                                            controller rebuilds the run from its last checkpoint
                                            (run.max_restarts) or ends with the command that resumes it
     layout (check): async_april/launch/layout.py
@@ -98,6 +98,28 @@ def resume_command(cfg: Config) -> str:
     argv = [a for a in sys.argv[1:] if not a.startswith(("run.resume=", "run.overwrite="))]
     head = "async-april " + " ".join(shlex.quote(a) for a in argv) if argv and argv[0] == "train" else "async-april train CONFIG"
     return f"{head} run.dir={shlex.quote(str(cfg.run_dir))} run.resume=auto"
+
+
+def restart_or_raise(cfg: Config, error: BaseException, restarts: int):
+    """The run resolved again from its latest checkpoint (run.max_restarts), or RunStateLost."""
+    from async_april.checkpointing import CheckpointManager
+    from async_april.launch.resolve import resolve
+
+    latest = CheckpointManager(cfg.run_dir).latest_valid()
+    why = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+    if latest is None or restarts >= cfg.run.max_restarts:
+        reason = "no checkpoint to restart from (set checkpoint.every)" if latest is None else \
+            f"run.max_restarts={cfg.run.max_restarts} reached"
+        say(f"run state lost ({why}); {reason}. " + (f"Resume from {latest.path} with: {resume_command(cfg)}"
+                                                    if latest is not None else "Nothing to resume from."))
+        raise RunStateLost(f"a learner rank or the rollout store was lost ({why}); {reason}") from error
+    say(f"run state lost ({why}): restarting from {latest.path} (restart {restarts + 1} of {cfg.run.max_restarts}); "
+        f"steps after {latest.step} are trained again")
+    return resolve(cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": str(latest.path), "overwrite": False})}))
+
+
+class RunStateLost(RuntimeError):
+    """A learner rank or the rollout store was lost and the run could not rebuild itself."""
 
 
 class PlacementRecord:

@@ -42,8 +42,8 @@ from async_april.auto_staleness import OffPolicyTuner, StepSignals
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
-from async_april.launch.cluster import (PlacementRecord, check_shared_storage, lost_state_errors, resume_command,
-                                       warn_if_layout_does_not_fit)
+from async_april.launch.cluster import (PlacementRecord, RunStateLost, check_shared_storage, lost_state_errors,  # noqa: F401 - RunStateLost: what train() raises
+                                       restart_or_raise, warn_if_layout_does_not_fit)
 from async_april.stopping import GracefulStop, Interrupted
 from async_april.tracking import Tracker
 
@@ -82,7 +82,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
                         run = run_loop(cfg, r, tracker, stop, on_step, learner_factory, restarts)
                     break
                 except lost_state_errors() as e:  # a learner rank or the store is gone (its node died)
-                    r, restarts = _restart_or_raise(cfg, e, restarts), restarts + 1
+                    r, restarts = restart_or_raise(cfg, e, restarts), restarts + 1
                     cfg = r.cfg
                     tracker.close()
                     tracker = None
@@ -107,28 +107,6 @@ def _tracker(cfg: Config, r, run_dir: Path) -> Tracker:
                    elapsed_s=controller.get("time/elapsed_s", 0.0),
                    wandb_run_id=resume.manifest.wandb_run_id if same_run else None,
                    checkpoint_row=controller.get("metrics_row"))
-
-
-def _restart_or_raise(cfg: Config, error: BaseException, restarts: int):
-    """The run resolved again from its latest checkpoint (run.max_restarts), or RunStateLost."""
-    from async_april.checkpointing import CheckpointManager
-    from async_april.launch.resolve import resolve
-
-    latest = CheckpointManager(cfg.run_dir).latest_valid()
-    why = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
-    if latest is None or restarts >= cfg.run.max_restarts:
-        reason = "no checkpoint to restart from (set checkpoint.every)" if latest is None else \
-            f"run.max_restarts={cfg.run.max_restarts} reached"
-        say(f"run state lost ({why}); {reason}. " + (f"Resume from {latest.path} with: {resume_command(cfg)}"
-                                                    if latest is not None else "Nothing to resume from."))
-        raise RunStateLost(f"a learner rank or the rollout store was lost ({why}); {reason}") from error
-    say(f"run state lost ({why}): restarting from {latest.path} (restart {restarts + 1} of {cfg.run.max_restarts}); "
-        f"steps after {latest.step} are trained again")
-    return resolve(cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": str(latest.path), "overwrite": False})}))
-
-
-class RunStateLost(RuntimeError):
-    """A learner rank or the rollout store was lost and the run could not rebuild itself."""
 
 
 def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None, learner_factory=None,
