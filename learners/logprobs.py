@@ -13,7 +13,8 @@ A micro-batch is either right-padded ([B, L] with an attention mask) or packed
 (`collate(..., packed=True)`): the rows concatenated into [1, sum of lengths]
 with position ids restarting at 0 for each row and no attention mask, from which
 transformers keeps attention within each row (`flash_attention_2`: the varlen
-kernel; `sdpa`/`eager`: a block-diagonal causal mask, masking_utils'
+kernel; `sdpa`: the learner's `sdpa_packed`, one causal attention per row,
+learners/packed_attention.py; `eager`: a block-diagonal causal mask, masking_utils'
 `find_packed_sequence_indices`). Packed, no compute goes to padding, and only
 the positions that predict a response token reach the vocabulary projection.
 Either way the response-side tensors (masks, behaviour logprobs, ...) are
