@@ -7,7 +7,9 @@ directory. Then, each phase wrapped so one failure still reports the others:
 
     rollout      TorchEngine on cuda: R requests x N new tokens (EOS ignored)   -> rollout tokens/s
     learner      LearnerWorker(cfg, path, rank 0, world 1) on cuda (NCCL, FSDP2),
-                 a few GRPO steps on the rollout's samples                     -> learner tokens/s, MFU
+                 a few GRPO steps on the rollout's samples, packed micro-batches
+                 (learner.packing, --padded for the right-padded path) with the
+                 chunked logprob head                                          -> learner tokens/s, MFU
     weight_sync  learner full_state_dict (CPU) -> bucketize -> engine.update_weights, and the
                  GPU-resident path iter_weight_buckets(device=cuda) -> update_weights   -> seconds
 
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo, fp32) instead of CUDA")
     p.add_argument("--tiny", action="store_true", help="a tiny model and workload (smoke test)")
+    p.add_argument("--padded", action="store_true", help="right-padded learner micro-batches (learner.packing=false), to compare")
     p.add_argument("--requests", type=int, default=None, help="rollout requests (default 64; tiny 8)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default 256; tiny 16)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 64; tiny 8)")
@@ -176,7 +179,8 @@ def learner_config(device: str, dtype: str, args) -> Any:
 
     return config_from_dict({
         "model": {"dtype": dtype},
-        "learner": {"device": device, "world_size": 1, "lr": 1e-6, "max_tokens_per_microbatch": 16384 if not args.tiny else 256},
+        "learner": {"device": device, "world_size": 1, "lr": 1e-6, "max_tokens_per_microbatch": 16384 if not args.tiny else 256,
+                    "packing": not args.padded},
         "rollout": {"max_new_tokens": args.new_tokens, "temperature": 1.0},
         "weight_sync": {"transport": "nccl" if device == "cuda" else "object_store", "bucket_mb": args.bucket_mb},
     }, "gpu_check")  # fmt: skip
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = LearnerWorker(cfg, state["path"], 0, 1, "127.0.0.1", free_port())
         state["worker"] = worker
         batch = make_train_batch(state["samples"])
-        return {"parameters": worker.num_params, **train(worker, batch, args.steps)}
+        return {"parameters": worker.num_params, "packing": cfg.learner.packing, **train(worker, batch, args.steps)}
 
     def do_sync():
         return weight_sync(state["worker"], state["engine"], args.bucket_mb, device)
