@@ -32,6 +32,9 @@ class LocalCluster:
                      "_system_config": SYSTEM_CONFIG, "temp_dir": self.tmp, **head}
         if dashboard:
             head_args.setdefault("dashboard_port", _free_port())
+            # Its own job agent port too: the default (52365) is taken by any other Ray on the machine, and
+            # then the head's agent never registers and `ray job submit` waits for it forever.
+            head_args.setdefault("dashboard_agent_listen_port", _free_port())
         self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
         self.head = self.cluster.head_node
         self.layout = [dict(w) for w in workers]
@@ -42,6 +45,7 @@ class LocalCluster:
         self.dashboard_url = self.head.address_info.get("webui_url") if dashboard else None
 
     def add(self, **node_args):
+        node_args.setdefault("dashboard_agent_listen_port", _free_port())  # as the head's: never the shared default
         node = self.cluster.add_node(object_store_memory=OBJECT_STORE_BYTES, **node_args)
         return node
 
