@@ -5,7 +5,9 @@ benchmarks: a step takes `a + b * tokens` simulated seconds (scaled to real
 time by `time_scale`, like the engine) and bumps the policy version; weight
 export is empty, so engines only record the new version. It never touches a
 model, so its only use is measuring how the rollout side behaves around a
-learner of a given speed.
+learner of a given speed. Its policy never moves, so it reports the mismatch of
+identical policies (`mismatch/ess` 1, `mismatch/k3` 0), which is what lets
+`async.max_staleness: auto` raise eta around it.
 """
 
 from __future__ import annotations

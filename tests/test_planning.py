@@ -11,7 +11,17 @@ from async_april.config import load_config
 from async_april.errors import UserError
 from async_april.launch.cli import main as cli_main
 from async_april.plan_sim import engine_ceiling, simulate
-from async_april.planning import COLUMNS, TIE, LearnerModel, Row, Setting, ceiling, grid, recommend, splits
+from async_april.planning import (
+    COLUMNS,
+    TIE,
+    LearnerModel,
+    Row,
+    Setting,
+    ceiling,
+    grid,
+    recommend,
+    splits,
+)
 
 TINY = "configs/tiny_cpu.yaml"
 
@@ -66,8 +76,8 @@ def test_sync_simulation_matches_the_analytic_step():
     """Constant lengths L and a constant decode step a: a sync step is L * a to generate, the
     learner's time, and the weight load, one after the other; async overlaps them."""
     L, a, train, update = 40, 0.01, 0.7, 0.05
-    step = lambda b, t, p: a  # noqa: E731
-    kw = dict(steps=8, engines=1, step_s=step, update_s=update, train_s=lambda n: train, sample_length=_const(L), prompt_tokens=8)
+    step = lambda b, t, p: a
+    kw = {"steps": 8, "engines": 1, "step_s": step, "update_s": update, "train_s": lambda n: train, "sample_length": _const(L), "prompt_tokens": 8}
     tokens = 4 * 4 * L
     sync = simulate(_cfg("async.max_staleness=0", "rollout.over_provision=1"), **kw)
     assert sync.useful_tokens_per_s(2) == pytest.approx(tokens / (L * a + train + update), rel=1e-6)
@@ -79,8 +89,8 @@ def test_sync_simulation_matches_the_analytic_step():
 
 
 def test_simulation_never_trains_past_eta_and_ceiling_is_full_concurrency_rate():
-    step = lambda b, t, p: 0.001 + 1e-4 * b + 1e-7 * t + 1e-6 * p  # noqa: E731
-    lengths = lambda rng: int(rng.integers(1, 48))  # noqa: E731
+    step = lambda b, t, p: 0.001 + 1e-4 * b + 1e-7 * t + 1e-6 * p
+    lengths = lambda rng: int(rng.integers(1, 48))
     for eta, op, early in ((1, 2, "false"), (2, 3, "false"), (2, 2, "true")):
         res = simulate(_cfg(f"async.max_staleness={eta}", f"rollout.over_provision={op}", f"rollout.early_stop={early}",
                             "rollout.on_weight_update=interrupt"),
@@ -100,7 +110,7 @@ def test_plan_prints_every_row_and_recommends_the_best(capsys, tmp_path):
     hist = tmp_path / "lengths.json"
     hist.write_text(json.dumps({"8": 10, "20": 5, "48": 1}))
     out_json = tmp_path / "plan.json"
-    code, out, err = _plan(capsys, tmp_path, "--lengths", str(hist), "--params", "1e6", "--latency", "0.01,0.0005,0,0.0001,0.05",
+    code, out, err = _plan(capsys, tmp_path, "rollout.batch_groups=4", "rollout.n_samples=4", "--lengths", str(hist), "--params", "1e6", "--latency", "0.01,0.0005,0,0.0001,0.05",
                            "--peak-tflops", "0.1", "--mfu", "0.05", "--steps", "5", "--gpus", "3", "--json", str(out_json))
     assert code == 0, err
     header = next(line for line in out.splitlines() if "useful_tok/s" in line)
@@ -129,7 +139,7 @@ def test_plan_prints_every_row_and_recommends_the_best(capsys, tmp_path):
     (["--latency", "1,2"], "--latency"),
 ])
 def test_plan_bad_input_is_one_clear_error(capsys, tmp_path, args, message):
-    code, out, err = _plan(capsys, tmp_path, "--params", "1e6", *args)
+    code, _out, err = _plan(capsys, tmp_path, "--params", "1e6", *args)
     assert code == 2 and message in err and "Traceback" not in err
 
 
@@ -137,5 +147,14 @@ def test_plan_bad_input_is_one_clear_error(capsys, tmp_path, args, message):
 def test_plan_malformed_histogram_is_one_clear_error(capsys, tmp_path, text):
     hist = tmp_path / "h.json"
     hist.write_text(text)
-    code, out, err = _plan(capsys, tmp_path, "--params", "1e6", "--lengths", str(hist))
+    code, _out, err = _plan(capsys, tmp_path, "--params", "1e6", "--lengths", str(hist))
     assert code == 2 and "not a length histogram" in err and "JSON histogram" in err
+
+
+def test_plan_help_and_missing_config(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "async-april plan" in out and "--lengths" in out and "a JSON file" in out
+    assert cli_main(["plan", "/nonexistent/config.yaml", "--params", "1e6"]) == 2
+    assert "/nonexistent/config.yaml" in capsys.readouterr().err
