@@ -99,6 +99,51 @@ def test_killed_generation_actor_is_replaced_and_nothing_is_lost(cluster, tmp_pa
     assert all(r["staleness/max"] <= cfg.async_.max_staleness for r in rows(cfg))
 
 
+# --------------------------------------------------------------------------- the store lost
+def test_the_store_killed_mid_run_is_restored_from_the_last_checkpoint(cluster, tmp_path, capsys):
+    """The RolloutStoreActor killed (`ray.kill`) after step 3 is trained, before its checkpoint: with
+    run.max_restarts=1 the run rebuilds itself (store, learner, actors) from step 2's checkpoint,
+    trains step 3 again and finishes with each step once and every prompt trained once; with
+    run.max_restarts=0 it ends with RunStateLost and the command that resumes it."""
+    import ray
+
+    from async_april.launch.controller import RunStateLost
+
+    base = ["rollout.num_actors=1", "checkpoint.every=1", "checkpoint.keep=5", "run.steps=4"]
+    cfg = make_cfg(tmp_path, *base, "run.max_restarts=1")
+    seen = {"steps": [], "stores": []}
+
+    def on_step(step, batch, learner, pool):
+        seen["steps"].append(step)
+        seen["stores"].append(pool.store)
+        if step == 3 and "killed" not in seen:
+            seen["killed"] = pool.store
+            ray.kill(pool.store)
+
+    train(cfg, on_step=on_step)
+    assert seen["steps"] == [1, 2, 3, 3, 4], "step 3 trained again after the restart from step 2"
+    assert seen["stores"][3] != seen["killed"], "the restarted run has a store of its own"
+    out = rows(cfg)
+    assert [r["train/step"] for r in out] == [1, 2, 3, 4]
+    assert [r["run/restarts"] for r in out] == [0, 0, 1, 1]
+    assert [r["train/policy_version"] for r in out] == [1, 2, 3, 4]
+    state = store_state(CheckpointManager(cfg.run_dir).list()[-1])
+    assert_each_prompt_once(state)
+    assert len(state["trained"]) == len(set(state["trained"])) == 4 * cfg.rollout.batch_groups
+    capsys.readouterr()
+
+    cfg0 = make_cfg(tmp_path, *base, "run.max_restarts=0", name="no_restarts")
+
+    def kill_at_2(step, batch, learner, pool):
+        if step == 2:
+            ray.kill(pool.store)
+
+    with pytest.raises(RunStateLost, match="rollout store was lost .*run.max_restarts=0 reached"):
+        train(cfg0, on_step=kill_at_2)
+    said = capsys.readouterr().err
+    assert "run.resume=auto" in said and "step_00000001" in said and str(cfg0.run_dir) in said
+
+
 # --------------------------------------------------------------------------- a signal while waiting
 def test_a_signal_while_waiting_for_a_batch_abandons_the_wait_and_loses_nothing(cluster, tmp_path):
     """SIGINT/SIGTERM while the controller waits for a batch: the wait is cancelled without the store
