@@ -191,7 +191,7 @@ def test_auto_eta_raises_while_generation_is_the_bottleneck_and_admission_follow
     assert "auto: raise eta 0 -> 1" in proc.stderr and "auto: raise eta 1 -> 2" in proc.stderr
     assert rows[0]["staleness/max"] == 0  # step 1's groups were admitted at eta 0
     assert max(r["staleness/max"] for r in rows) <= 2
-    assert all(0 < r["mismatch/ess"] <= 1 for r in rows)
+    assert all(0 < r["mismatch/ess"] <= 1 + 1e-6 for r in rows)  # <= 1 by Cauchy-Schwarz, up to float rounding
 
 
 def test_async_preset_never_exceeds_eta(async_run_stopped_by_sigterm):
