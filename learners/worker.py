@@ -1,7 +1,9 @@
 """One learner rank: FSDP2 model, optimizer, micro-batched IS-corrected update.
 
 A plain class: `LearnerGroup` wraps it in one Ray actor per rank, and it also
-runs under torchrun or in a single process (world_size=1) for tests.
+runs under torchrun or in a single process (world_size=1) for tests. A little over 400 lines: one
+update loop and the rank state it owns; the maths is in learners/update.py, logprobs.py,
+chunked_logprobs.py, packed_attention.py and sequence_parallel.py, export in weight_export.py.
 
     train_step(batch):
         mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)

@@ -1,5 +1,8 @@
 """The controller: wires store, generation actors and learner, and runs the steps.
 
+Just over 400 lines: the run loop and the restart around it (run.max_restarts) are one control flow;
+placement, recovery and the memory check live in launch/cluster.py, layout.py and memory_check.py.
+
     dataset ─> RolloutStore ──lease──> GenerationActor x N ──push samples──┐
                   │  ^                    (engine, C requests in flight)   │
                   │  └─────────────────────────────────────────────────────┘
