@@ -17,13 +17,23 @@ STEP_NOTE = "not an environment: a module attribute that is no class"
 
 
 class SlowReverseEnv(ReverseTurnsEnv):
-    """The built-in task with a tool that takes STEP_S per call."""
+    """The built-in task with a tool that takes STEP_S per call; `stepping` counts the calls running now,
+    so a test can act while one is (an interrupt that lands between two model turns)."""
 
     STEP_S = 0.05
+    stepping = 0
+    _lock = threading.Lock()
 
     def step(self, state, turn_ids):
-        time.sleep(self.STEP_S)
-        return super().step(state, turn_ids)
+        cls = type(self)
+        with cls._lock:
+            cls.stepping += 1
+        try:
+            time.sleep(self.STEP_S)
+            return super().step(state, turn_ids)
+        finally:
+            with cls._lock:
+                cls.stepping -= 1
 
 
 class GatedReverseEnv(ReverseTurnsEnv):

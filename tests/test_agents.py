@@ -137,6 +137,14 @@ def run_actor_during(actor, store: LocalStore, control, groups: int) -> None:
     asyncio.run(go())
 
 
+async def wait_until(condition, timeout_s: float) -> None:
+    """Poll `condition()` every millisecond; fail the test if it never holds."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout_s, f"{condition.__name__} never held in {timeout_s} s"
+        await asyncio.sleep(0.001)
+
+
 def _perturbed(state: dict, version: int) -> dict:
     """New weights for `version`; tied tensors (embedding and lm_head) stay one tensor."""
     g = torch.Generator().manual_seed(version)
@@ -159,8 +167,8 @@ def _write_weights(root, state, version) -> str:
 
 def test_every_model_token_keeps_its_logprob_and_version_across_interruptions(model_dir, tokenizer, tmp_path):
     """The generation actor's own loop on a real store and torch engine, a tool that takes 50 ms, and
-    weight updates with on_weight_update=interrupt every ~40 ms: interruptions land inside model turns
-    and inside environment steps. Every model token's recorded logprob equals a teacher-forced
+    8 weight updates with on_weight_update=interrupt, each sent when a model turn is under way or when
+    a tool call is: interruptions land inside model turns and inside environment steps. Every model token's recorded logprob equals a teacher-forced
     recomputation under the weights of its recorded version (1e-4); environment tokens carry mask 0."""
     from transformers import AutoModelForCausalLM
 
@@ -173,10 +181,19 @@ def test_every_model_token_keeps_its_logprob_and_version_across_interruptions(mo
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     weights = {0: base}
 
+    def mid_turn_now() -> bool:
+        # The engine's running rows (read-only, from its own thread's list): one that has sampled a few
+        # tokens of its turn and has budget left is cut inside the turn by an abort sent now.
+        return any(0 < len(r.ids) <= 5 for r in list(actor.engine._running))
+
+    def stepping_now() -> bool:
+        return SlowReverseEnv.stepping > 0
+
     async def interrupts():
-        rng = np.random.default_rng(1)
+        # Each update waits for the moment it must hit (inside a model turn, or inside a tool call),
+        # instead of a wall-clock delay whose outcome depends on the machine's speed.
         for v in range(1, 9):
-            await asyncio.sleep(float(rng.uniform(0.01, 0.07)))
+            await wait_until(mid_turn_now if v % 2 else stepping_now, timeout_s=20)
             weights[v] = _perturbed(base, v)
             await actor.update_weights(_write_weights(tmp_path / "w", weights[v], v), v)
 

@@ -50,9 +50,12 @@ def learner_logprobs(model, batch, rows, temperature):
 
 def test_every_token_keeps_the_logprob_and_version_that_sampled_it(tmp_path):
     """Async preset with interrupt-on-update: responses are cut by weight updates and resumed;
-    each token's recorded logprob equals the learner's recomputation under that token's version."""
+    each token's recorded logprob equals the learner's recomputation under that token's version.
+    One request in flight keeps generation the slower side on any machine, so every update finds a
+    response under way (with 4, a fast machine could finish the admitted groups before the learner's
+    step and leave nothing for the update to cut)."""
     cfg, seen = run_and_capture(tmp_path, ["run.steps=4", "async.max_staleness=2", "rollout.on_weight_update=interrupt",
-                                          "rollout.concurrency=4", "rollout.max_new_tokens=48"])
+                                          "rollout.concurrency=1", "rollout.max_new_tokens=48"])
     seen["weights"][0] = load_model(cfg).state_dict()
     batches = seen["batches"]
     multi_version = 0
