@@ -61,11 +61,20 @@ class LocalCluster:
     def wait_for_nodes(self) -> None:
         self.cluster.wait_for_nodes()
 
-    def remove(self, node) -> None:
-        """Kill one node's raylet and its workers without warning (a lost machine)."""
+    def remove(self, node, wait_dead: bool = False) -> None:
+        """Kill one node's raylet and its workers without warning (a lost machine). `wait_dead`: return
+        only once the GCS marks it dead (and with it its actors), ~1.5 s later: until then a worker
+        process of that node may still answer a call, so what fails first would depend on timing."""
         self.cluster.remove_node(node, allow_graceful=False)
         if node in self.workers:
             self.workers.remove(node)
+        if wait_dead:
+            import ray
+
+            deadline = time.monotonic() + 60
+            while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+                assert time.monotonic() < deadline, f"node {node.node_id[:8]} still alive 60 s after its raylet was killed"
+                time.sleep(0.1)
 
     def node_with(self, resource: str):
         return next(n for n in [self.head, *self.workers] if resource in _resources(n))

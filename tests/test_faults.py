@@ -65,41 +65,8 @@ def assert_each_prompt_once(state: dict) -> None:
     assert max(seen.values()) == 1, f"a prompt is in two states: {[p for p, c in seen.items() if c > 1]}"
 
 
-# --------------------------------------------------------------------------- actor death
-def test_killed_generation_actor_is_replaced_and_nothing_is_lost(cluster, tmp_path):
-    import ray
-
-    cfg = make_cfg(tmp_path, "run.steps=3", "rollout.num_actors=2", "rollout.max_actor_restarts=1", "rollout.concurrency=4")
-    seen = {}
-
-    def on_step(step, batch, learner, pool):
-        if step == 1:
-            # Killed here, in the step-1 hook, once gen0 holds leases: admission has just reopened for
-            # version 1, so it leases new work at once. (A thread polling beside training raced the run:
-            # under load it killed after the last weight push, or after the run, and no death was seen.)
-            deadline = time.monotonic() + 120  # a failsafe only: the wait ends on the event
-            while not seen.get("leased") and time.monotonic() < deadline:
-                seen["leased"] = ray.get(pool.store.call.remote("leased_by", "gen0"))
-            pool.kill("gen0")
-        elif "gen2" in pool.actors:
-            seen.setdefault("replacement_version", []).append((ray.get(pool.actors["gen2"].version.remote()), learner.version))
-
-    train(cfg, on_step=on_step)
-    assert seen["leased"], "gen0 held no leases when killed; the drill did not test anything"
-    last = rows(cfg)[-1]
-    assert last["train/step"] == 3
-    assert last["rollout/actor_failures"] == 1 and last["rollout/actor_restarts"] == 1
-    assert last["rollout/samples_released"] >= 1, "the killed actor's leases went back to the store"
-    assert last["rollout/actors_alive"] == 2
-    # The replacement loaded the learner's weights before leasing (never generates with version 0).
-    assert all(v == lv for v, lv in seen["replacement_version"])
-    state = store_state(CheckpointManager(cfg.run_dir).list()[-1])
-    assert_each_prompt_once(state)
-    assert len(state["trained"]) == len(set(state["trained"])) == 3 * cfg.rollout.batch_groups
-    assert all(r["staleness/max"] <= cfg.async_.max_staleness for r in rows(cfg))
-
-
 # --------------------------------------------------------------------------- the store lost
+# (A generation actor's death, and its node's: tests/test_multinode.py, on a real multi-node cluster.)
 def test_the_store_killed_mid_run_is_restored_from_the_last_checkpoint(cluster, tmp_path, capsys):
     """The RolloutStoreActor killed (`ray.kill`) after step 3 is trained, before its checkpoint: with
     run.max_restarts=1 the run rebuilds itself (store, learner, actors) from step 2's checkpoint,

@@ -42,6 +42,11 @@ def _probe(paths: dict[str, str]) -> dict[str, Any]:
             "missing": [key for key, p in paths.items() if not os.path.exists(p)]}
 
 
+NODE_DEATH_WAIT_S = 30.0
+"""How long a node the probe could not reach may take to be marked dead (Ray's default health checks
+declare a node dead after ~15 s of silence) before the probe's failure counts as an error."""
+
+
 def probe_nodes(paths: dict[str, str]) -> list[dict[str, Any]]:
     """Run `_probe(paths)` once on every live node (hard node affinity); one answer per node."""
     import ray
@@ -50,7 +55,31 @@ def probe_nodes(paths: dict[str, str]) -> list[dict[str, Any]]:
     probe = ray.remote(num_cpus=0)(_probe)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(paths) for nid in nodes]
-    return ray.get(refs, timeout=PROBE_TIMEOUT_S)
+    answers = []
+    for nid, ref in zip(nodes, refs):
+        try:
+            answers.append(ray.get(ref, timeout=PROBE_TIMEOUT_S))
+        except ray.exceptions.TaskUnschedulableError:
+            # The GCS still listed the node alive, but it is gone (its death is seen ~1.5-15 s late):
+            # a node that left cannot hold any of the run's actors, so it has nothing to see.
+            if not _seen_dead(nid, within_s=NODE_DEATH_WAIT_S):
+                raise
+            say(f"node {nid[:8]} left the cluster during the storage probe; not checked")
+    return answers
+
+
+def _seen_dead(node_id: str, within_s: float) -> bool:
+    """Whether the GCS marks the node dead within `within_s` seconds."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + within_s
+    while any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def check_shared_storage(cfg: Config, model_path: Path) -> int:
