@@ -15,6 +15,7 @@ several nodes of one machine share an IP (tests/multinode). Ray is imported insi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def _where() -> dict[str, Any]:
     return {"node_id": nid, "ip": node.get("NodeManagerAddress", ray.util.get_node_ip_address()),
             "node_resources": {k: v for k, v in node.get("Resources", {}).items()
                                if not k.startswith("node:") and k not in ("memory", "object_store_memory")},
-            "pid": __import__("os").getpid()}
+            "pid": os.getpid()}
 
 
 def node_of(handle, timeout_s: float = 60.0) -> dict[str, Any]:
