@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -137,11 +138,24 @@ def run_actor_during(actor, store: LocalStore, control, groups: int) -> None:
     asyncio.run(go())
 
 
+def mid_turn_now(actor) -> bool:
+    """Whether the actor's torch engine runs a row that has sampled a few tokens of its turn and has
+    budget left: an abort sent now cuts it inside the turn. (The engine's own list of running rows,
+    read from this thread: a test's window on the engine, never written.)"""
+    return any(0 < len(r.ids) <= 5 for r in list(actor.engine._running))
+
+
+def tool_call_now() -> bool:
+    """Whether a SlowReverseEnv step is running: an abort sent now lands between two model turns."""
+    return SlowReverseEnv.stepping > 0
+
+
 async def wait_until(condition, timeout_s: float) -> None:
     """Poll `condition()` every millisecond; fail the test if it never holds."""
     t0 = time.monotonic()
     while not condition():
-        assert time.monotonic() - t0 < timeout_s, f"{condition.__name__} never held in {timeout_s} s"
+        name = getattr(condition, "__name__", None) or condition.func.__name__
+        assert time.monotonic() - t0 < timeout_s, f"{name} never held in {timeout_s} s"
         await asyncio.sleep(0.001)
 
 
@@ -181,19 +195,11 @@ def test_every_model_token_keeps_its_logprob_and_version_across_interruptions(mo
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     weights = {0: base}
 
-    def mid_turn_now() -> bool:
-        # The engine's running rows (read-only, from its own thread's list): one that has sampled a few
-        # tokens of its turn and has budget left is cut inside the turn by an abort sent now.
-        return any(0 < len(r.ids) <= 5 for r in list(actor.engine._running))
-
-    def stepping_now() -> bool:
-        return SlowReverseEnv.stepping > 0
-
     async def interrupts():
         # Each update waits for the moment it must hit (inside a model turn, or inside a tool call),
         # instead of a wall-clock delay whose outcome depends on the machine's speed.
         for v in range(1, 9):
-            await wait_until(mid_turn_now if v % 2 else stepping_now, timeout_s=20)
+            await wait_until(partial(mid_turn_now, actor) if v % 2 else tool_call_now, timeout_s=20)
             weights[v] = _perturbed(base, v)
             await actor.update_weights(_write_weights(tmp_path / "w", weights[v], v), v)
 
@@ -284,11 +290,12 @@ def test_early_stops_and_loads_across_turns_keep_every_tokens_provenance(model_d
         await actor.update_weights(_write_weights(tmp_path / "w", weights[v], v), v)
 
     async def early_stops_and_loads():
-        rng = np.random.default_rng(2)
         for v in range(1, 9):
             await decoding()  # with continue, the load lands inside a model turn
             await load(v)
-            await asyncio.sleep(float(rng.uniform(0.02, 0.08)))
+            # Each early stop waits for the moment it must hit (inside a model turn, or inside a tool
+            # call), not for a wall-clock delay whose outcome depends on the machine's speed.
+            await wait_until(partial(mid_turn_now, actor) if v % 2 else tool_call_now, timeout_s=20)
             await actor.early_stop()  # its partials wait for the next load
         await load(9)
 
