@@ -123,3 +123,43 @@ def test_the_plans_logits_chunk_is_the_learners():
 
     assert memory_plan.CHUNK_POSITIONS == chunked_logprobs.CHUNK_POSITIONS
     assert plan_inputs(load_config(REPO / "configs" / "tiny_cpu.yaml")).logits_path == "chunked"
+
+
+def test_sglang_engines_on_the_learners_gpu_start_before_the_learner(tmp_path):
+    """SGLang takes `mem_fraction_static` of the memory free when it starts (sglang 0.5.23
+    srt/mem_cache/kv_cache_configurator.py), so an engine that shares the learner's GPU must start
+    first. One (declared) GPU shared half and half by the learner rank and one SGLang engine (the
+    stand-in server, `tests.sglang_standin`, launched by the real engine client): by the time the
+    controller builds the learner, the engine has started; with the learner on a GPU of its own the
+    learner comes first (the engines then load while its ranks initialise)."""
+    import ray
+
+    from async_april.launch.controller import train
+
+    class LearnerBuilt(Exception):
+        pass
+
+    def engines_up_when_the_learner_is_built(cfg, model_path):
+        from ray._private.state import state  # the GCS's actor table, through this driver's connection
+
+        seen.append(sum(a["State"] == "ALIVE" and a["ActorClassName"].endswith("GenerationActor")
+                        for a in state.actor_table(None).values()))
+        raise LearnerBuilt  # what the test needed; the controller stops the engines on its way out
+
+    repo = Path(__file__).resolve().parent.parent
+    assert not ray.is_initialized()
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}})
+    try:
+        for name, split in [("shared", ["learner.gpus_per_rank=0.5", "rollout.gpus_per_actor=0.5"]),
+                            ("own", ["learner.gpus_per_rank=1", "rollout.gpus_per_actor=0"])]:
+            seen: list[int] = []
+            cfg = load_config(repo / "configs/tiny_cpu.yaml", [
+                f"run.dir={tmp_path}/{name}", "rollout.engine=sglang", "rollout.sglang.launch_module=tests.sglang_standin",
+                "rollout.sglang.startup_timeout_s=120", "rollout.num_actors=1", "learner.device=cpu", "run.pin_cpus=false",
+                "logging.wandb=disabled", "run.steps=1", *split])
+            with pytest.raises(LearnerBuilt):
+                train(cfg, learner_factory=engines_up_when_the_learner_is_built)
+            assert seen == ([1] if name == "shared" else [0]), (name, seen)
+    finally:
+        ray.shutdown()
