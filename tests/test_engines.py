@@ -5,7 +5,8 @@ against tests/sglang_standin.py, a STAND-IN server backed by the torch engine,
 because real SGLang needs a GPU), `simulated`, and `sglang-real-gpu` (a real
 SGLang server; skipped unless sglang and CUDA are present).
 
-Every engine runs with EOS ignored so responses run to max_new_tokens unless aborted.
+Every engine runs with EOS ignored so responses run to max_new_tokens unless aborted. Just over
+400 lines: one contract, parametrised over the backends, reads best as one suite.
 """
 
 from __future__ import annotations

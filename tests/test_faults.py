@@ -2,7 +2,8 @@
 async), a truncated checkpoint, bad rewards, NaN loss, SGLang down, invalid config, secrets.
 
 Every run shares one embedded Ray cluster (module fixture) and a small config, so the whole
-file costs a few minutes on 2 cores."""
+file costs a few minutes on 2 cores. Over 400 lines for that reason: split, the drills would start
+the cluster once per file."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Policy losses against a hand-written loop reference, plus the invariants the learner relies on.
 
 The reference below walks sequences and tokens with Python loops and scalar
-maths; it shares no code with `async_april.algorithms.losses`.
+maths; it shares no code with `async_april.algorithms.losses`. Over 400 lines because that
+reference is the spec every test here checks against, and it stays beside them.
 """
 
 import math

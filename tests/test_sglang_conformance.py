@@ -7,6 +7,7 @@ that checks every /generate body with SGLang's own generated contract and follow
 session, flush, pause, abort, readiness and version-span rules (each cites its SGLang file).
 Tests named test_26_<item> are issue 26's (SGLang 0.5.23's in-flight path, sampling and length limits,
 the NCCL group, aborts while paused, failed loads), each failing on the client before its fix.
+Long (~950 lines) on purpose: the issues' numbered lists are the file's order, one test per item.
 """
 
 from __future__ import annotations
