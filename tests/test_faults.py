@@ -1,5 +1,6 @@
-"""Fault drills, one per row of docs/reliability.md: actor death, job kill + resume (sync and
-async), a truncated checkpoint, bad rewards, NaN loss, SGLang down, invalid config, secrets.
+"""Fault drills, one per row of docs/reliability.md: the store lost, job kill + resume (sync and
+async), a truncated checkpoint, bad rewards, NaN loss, SGLang down, invalid config, secrets. (A
+generation actor's death and its node's: tests/test_multinode.py.)
 
 Every run shares one embedded Ray cluster (module fixture) and a small config, so the whole
 file costs a few minutes on 2 cores. Over 400 lines for that reason: split, the drills would start
