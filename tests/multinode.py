@@ -69,12 +69,9 @@ class LocalCluster:
         if node in self.workers:
             self.workers.remove(node)
         if wait_dead:
-            import ray
+            from async_april.launch.cluster import node_seen_dead
 
-            deadline = time.monotonic() + 60
-            while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
-                assert time.monotonic() < deadline, f"node {node.node_id[:8]} still alive 60 s after its raylet was killed"
-                time.sleep(0.1)
+            assert node_seen_dead(node.node_id, within_s=60), f"node {node.node_id[:8]} still alive 60 s after its raylet was killed"
 
     def node_with(self, resource: str):
         return next(n for n in [self.head, *self.workers] if resource in _resources(n))

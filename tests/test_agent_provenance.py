@@ -61,8 +61,9 @@ async def wait_until(condition, timeout_s: float) -> None:
     """Poll `condition()` every millisecond; fail the test if it never holds."""
     t0 = time.monotonic()
     while not condition():
-        name = getattr(condition, "__name__", None) or condition.func.__name__
-        assert time.monotonic() - t0 < timeout_s, f"{name} never held in {timeout_s} s"
+        if time.monotonic() - t0 > timeout_s:
+            name = getattr(condition, "__name__", None) or condition.func.__name__  # a function or a partial
+            raise AssertionError(f"{name} never held in {timeout_s} s")
         await asyncio.sleep(0.001)
 
 

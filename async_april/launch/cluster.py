@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -55,23 +56,21 @@ def probe_nodes(paths: dict[str, str]) -> list[dict[str, Any]]:
     probe = ray.remote(num_cpus=0)(_probe)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(paths) for nid in nodes]
-    answers = []
+    answers, deadline = [], time.monotonic() + PROBE_TIMEOUT_S  # one timeout for all, as a single ray.get had
     for nid, ref in zip(nodes, refs):
         try:
-            answers.append(ray.get(ref, timeout=PROBE_TIMEOUT_S))
+            answers.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
         except ray.exceptions.TaskUnschedulableError:
             # The GCS still listed the node alive, but it is gone (its death is seen ~1.5-15 s late):
             # a node that left cannot hold any of the run's actors, so it has nothing to see.
-            if not _seen_dead(nid, within_s=NODE_DEATH_WAIT_S):
+            if not node_seen_dead(nid, within_s=NODE_DEATH_WAIT_S):
                 raise
             say(f"node {nid[:8]} left the cluster during the storage probe; not checked")
     return answers
 
 
-def _seen_dead(node_id: str, within_s: float) -> bool:
-    """Whether the GCS marks the node dead within `within_s` seconds."""
-    import time
-
+def node_seen_dead(node_id: str, within_s: float) -> bool:
+    """Whether the GCS marks the node dead within `within_s` seconds (polled every 0.2 s)."""
     import ray
 
     deadline = time.monotonic() + within_s
