@@ -143,7 +143,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    results["contended"] = "2 shared CPU cores, other jobs running: compare ratios only"
+    results["note"] = "2 CPU cores; packed and padded repeats interleaved in this run: the ratio is the figure (load on the machine is not recorded)"
     if not args.skip_throughput:
         tp = throughput(args)
         results["throughput"] = tp

@@ -138,7 +138,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "budget_gb": args.budget_gb, "step": args.step, "model": MODEL, "prompt_tokens": PROMPT,
         "sp1": results[1], "sp2": results[2], "ratio": ratio,
-        "note": "contended 2-core machine; memory (peak RSS) is not affected by contention, times are",
+        "note": "peak RSS does not depend on other load on the machine; step times do (the two searches run side by side)",
     }, indent=1))
     print(f"wrote {args.out}")
 

@@ -46,6 +46,7 @@ from learners import lora, packed_attention
 from learners import sequence_parallel as seqpar
 from learners.chunked_logprobs import install_logprob_head
 from learners.hf_dir import write_hf_dir
+from learners.host_allocator import return_freed_blocks_to_os
 from learners.logprobs import collate, response_logprobs
 from learners.optim import make_lr_scheduler, peak_flops
 from learners.update import kept_counts, mean_over_mini_batches, needs_proximal_forward, pack_micro_batches, split_mini_batches
@@ -92,6 +93,7 @@ class LearnerWorker(WeightExport):
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+            return_freed_blocks_to_os()  # freed activations leave the RSS (learners/host_allocator.py)
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
         if not dist.is_initialized():

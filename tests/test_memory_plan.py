@@ -58,6 +58,41 @@ def test_plan_is_within_20_percent_of_a_real_learner_steps_peak(tiny):
     assert abs(planned - measured) <= 0.2 * measured, f"plan {planned:.3f} GB, measured {measured:.3f} GB"
 
 
+FRAGMENTS = """
+import os, sys, torch
+from async_april.config import config_from_dict
+from learners.worker import LearnerWorker
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+w = LearnerWorker(config_from_dict({"learner": {"device": "cpu"}}), sys.argv[1], master_port=int(sys.argv[2]))
+big = torch.ones(1 << 20); del big  # a freed 4 MB block: glibc's default would now serve 2 MB ones from its heap
+kept, temps, before = [], [], rss()
+for _ in range(40):  # as a forward pass: temporaries freed between tensors kept for backward
+    temps.append(torch.ones(1 << 19))
+    kept.append(torch.ones(1 << 15))
+del temps
+print((rss() - before) / 1e6)
+w.shutdown()
+"""
+
+
+def test_a_cpu_learner_rank_returns_freed_activations_to_the_os(tiny):
+    """learners/host_allocator.py: after a LearnerWorker is built on CPU, 40 freed 2 MB temporaries between
+    kept 128 KB tensors leave the RSS. With glibc's default dynamic mmap threshold 89 MB of them stayed
+    resident: the fragmentation that cost Ulysses SP=2 a third of its peak (docs/benchmarks.md)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", FRAGMENTS, str(tiny), str(port)], env=env(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resident_mb = float(proc.stdout.strip().splitlines()[-1])
+    assert resident_mb < 20, f"{resident_mb:.0f} MB of freed 2 MB temporaries stayed resident (80 MB were allocated)"
+
+
 def test_cli_refuses_a_learner_that_cannot_fit_and_names_the_keys(tiny, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "async_april", "check", str(REPO / "configs" / "tiny_cpu.yaml"),
                            f"model.path={tiny}", "learner.gpu_memory_gb=0.01", "learner.max_tokens_per_microbatch=4096",
