@@ -1,24 +1,33 @@
 """`async.max_staleness: auto` and `rollout.over_provision: auto`: settings that tune themselves.
 
 Pure logic, no Ray, like `StalenessController`. After every learner step the
-tuner reads three numbers of that step:
+tuner reads three figures of that step:
 
     ess        mismatch/ess: normalised effective sample size of the token IS weights pi_theta / pi_behav
     k3         mismatch/k3: KL(pi_behav || pi_theta), k3 estimator
-    wait_frac  timing_s/rollout / timing_s/step: the share of the step the learner waited for generation
+    wait       timing_s/rollout of timing_s/step: how long the learner waited for generation
 
 and moves at most one knob by one step (eta by 1, over-provisioning by
 `async.auto.over_provision_step`), each inside its bounds:
 
     budget broken (ess < min_ess or k3 > max_k3)          -> lower, at once (the data are too stale)
-    budget holds and wait_frac >= raise_wait_frac
-        for raise_after consecutive steps                 -> raise (generation is the bottleneck)
-    otherwise (or a budget signal missing)                -> hold (the streak restarts)
+    budget holds on each of the last raise_after steps
+        and the learner waited >= raise_wait_frac of
+        their summed time                                 -> raise (generation is the bottleneck)
+    otherwise                                             -> hold (the window slides on)
+    a budget signal missing                               -> hold (the window restarts)
+
+The wait is judged over a window, not step by step, because at a low eta the
+learner waits in bursts: measured on the tiny task at eta 1, it found its
+batch ready (waits of 1-2% of the step) and then waited 30-50% of one step,
+every 3-6 steps; a rule of consecutive waiting steps read that as never
+bottlenecked and held eta at 1 for 159 of 160 steps, where eta 2 and 4 reach
+the target reward sooner (docs/benchmarks.md, "Auto eta on the tiny task").
 
 Knobs are raised in order (eta first, then over-provisioning) and lowered in
-reverse, so the last raise is undone first. Raising is slow on purpose: tokens
-of a new lag reach the learner only in later steps, so the budget is judged on
-the new regime before the next raise.
+reverse, so the last raise is undone first. After every change the window
+starts empty: tokens of a new lag reach the learner only in later steps, so
+the budget is judged on the new regime before the next raise.
 
 Admission stays exact through each change (async_april/store.py
 `set_max_staleness`, `set_over_provision`): a raise opens admission at once; a
@@ -41,15 +50,25 @@ Decision = Literal["raise", "lower", "hold"]
 class StepSignals:
     ess: float | None
     k3: float | None
-    wait_frac: float
+    wait_s: float
+    """How long the learner waited for this step's batch (timing_s/rollout)."""
+    step_s: float
+    """The whole step (timing_s/step)."""
+
+    @property
+    def wait_frac(self) -> float:
+        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, float]) -> "StepSignals":
         """From one step's metrics (learner and controller keys)."""
-        step_s = float(metrics.get("timing_s/step", 0.0))
-        wait = float(metrics.get("timing_s/rollout", 0.0)) / step_s if step_s > 0 else 0.0
         ess, k3 = metrics.get("mismatch/ess"), metrics.get("mismatch/k3")
-        return cls(None if ess is None else float(ess), None if k3 is None else float(k3), wait)
+        return cls(None if ess is None else float(ess), None if k3 is None else float(k3),
+                   float(metrics.get("timing_s/rollout", 0.0)), float(metrics.get("timing_s/step", 0.0)))
+
+
+Window = tuple[tuple[float, float], ...]
+"""(wait_s, step_s) of the last steps within budget since the last change, newest last, at most raise_after."""
 
 
 @dataclass(frozen=True)
@@ -103,22 +122,28 @@ class OffPolicyTuner:
         high_kl = self.max_k3 is not None and s.k3 is not None and s.k3 > self.max_k3
         return low_ess or high_kl
 
-    def decide(self, values: dict[str, float], streak: int, s: StepSignals) -> tuple[dict[str, float], int, Decision]:
-        """(new values by knob name, new streak, what was decided) after a step measured as `s`."""
+    def judged(self, window: Window, s: StepSignals) -> Window:
+        """The steps a raise after `s` is judged on: the window with `s` added, its last raise_after."""
+        return (*window, (s.wait_s, s.step_s))[-self.raise_after:]
+
+    def decide(self, values: dict[str, float], window: Window, s: StepSignals) -> tuple[dict[str, float], Window, Decision]:
+        """(new values by knob name, the new window, what was decided) after a step measured as `s`."""
         values = {k.name: k.clamp(values[k.name]) for k in self.knobs}
         if self.budget_broken(s):
             for k in reversed(self.knobs):
                 if values[k.name] > k.low:
-                    return {**values, k.name: k.clamp(values[k.name] - k.step)}, 0, "lower"
-            return values, 0, "hold"
+                    return {**values, k.name: k.clamp(values[k.name] - k.step)}, (), "lower"
+            return values, (), "hold"
         measured = (self.min_ess is None or s.ess is not None) and (self.max_k3 is None or s.k3 is not None)
+        if not measured:
+            return values, (), "hold"
+        window = self.judged(window, s)
         raisable = [k for k in self.knobs if values[k.name] < k.high]
-        if not measured or s.wait_frac < self.raise_wait_frac or not raisable:
-            return values, 0, "hold"
-        if streak + 1 >= self.raise_after:
+        waited, took = sum(w for w, _ in window), sum(t for _, t in window)
+        if raisable and len(window) == self.raise_after and took > 0 and waited >= self.raise_wait_frac * took:
             k = raisable[0]
-            return {**values, k.name: k.clamp(values[k.name] + k.step)}, 0, "raise"
-        return values, streak + 1, "hold"
+            return {**values, k.name: k.clamp(values[k.name] + k.step)}, (), "raise"
+        return values, window, "hold"
 
 
-__all__ = ["Knob", "OffPolicyTuner", "StepSignals"]
+__all__ = ["Knob", "OffPolicyTuner", "StepSignals", "Window"]

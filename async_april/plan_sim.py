@@ -13,6 +13,12 @@ sleeps, so a run of many minutes of GPU time takes a fraction of a second.
               re-prefills what was running, `drain` finishes it first, `continue` keeps it),
               and the store's version moves on
     APRIL     with `early_stop`, the engines abort what they run as soon as a batch is taken
+    shared    `shared_host_slowdown` F: engines and learner on one machine's cores slow each other
+    host      (memory bandwidth, caches, the driver and store on the learner's core). A learner step
+              that starts with an engine generating takes F times as long, and so do the engines'
+              decode steps during it. F is measured on the learner side (an async run's seconds
+              per token over a sync run's) and assumed the same for the engines. 1 (the default):
+              accelerators of their own
 
 Response lengths are drawn once per sample (a requeued sample gets the same length again, as the
 simulated engine's seeded draw does). Pure Python: the latency model and length distribution are
@@ -105,9 +111,11 @@ class SimResult:
 
 def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, int, int], float], update_s: float,
              train_s: Callable[[int], float], sample_length: Callable[[np.random.Generator], int],
-             prompt_tokens: int, seed: int = 0) -> SimResult:
+             prompt_tokens: int, seed: int = 0, shared_host_slowdown: float = 1.0) -> SimResult:
     """Simulate `steps` learner steps of `cfg`'s rollout settings (batch_groups, n_samples, concurrency,
     max_new_tokens, eta, over_provision, early_stop, on_weight_update) with `engines` engines."""
+    if not shared_host_slowdown >= 1.0:
+        raise ValueError(f"shared_host_slowdown={shared_host_slowdown} must be >= 1 (1: no slowdown)")
     store = RolloutStore(cfg, SyntheticPrompts(prompt_tokens))  # type: ignore[arg-type]
     r = cfg.rollout
     policy, cap = r.on_weight_update, r.max_new_tokens
@@ -116,6 +124,10 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
     pool = [_Engine(f"sim{i}", r.concurrency) for i in range(engines)]
     block = max(1, r.concurrency // BLOCK_DIVISOR)
     now, learner_done, batch_tokens = 0.0, math.inf, 0
+    host = [1.0]
+    """The engines' cost multiplier now: shared_host_slowdown while a learner step runs beside them."""
+    starting: int | None = None
+    """Tokens of the batch just taken, until its step's end time is set."""
     batch_staleness: tuple[float, int] = (0.0, 0)
     out = SimResult([], [], 0, [], 0, 0.0, 0, [])
     wait_from, tried = 0.0, None
@@ -138,7 +150,7 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
         first = step_s(b, t0, 0)
         costs = first + (step_s(b, t0 + b, 0) - first) * np.arange(k, dtype=np.float64)
         costs[0] += step_s(0, 0, e.prefill) - step_s(0, 0, 0)
-        return np.cumsum(costs)
+        return np.cumsum(costs) * host[0]
 
     def advance(e: _Engine, until: float, finish_step: bool = False) -> None:
         """Decode on `e` up to simulated time `until`; with `finish_step`, the step under way then ends
@@ -219,6 +231,11 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
             elif e.open and e.free() >= block and e.t < now:
                 advance(e, now, finish_step=True)  # new work joins between two decode steps
             lease(e)
+        if starting is not None:  # a batch was just taken: does generation run beside its step?
+            overlapped = any(e.running for e in pool)
+            learner_done = now + train_s(starting) * (shared_host_slowdown if overlapped else 1.0)
+            host[0] = shared_host_slowdown if overlapped else 1.0
+            starting = None
         if learner_done == math.inf and (store.version, store.counters.started_groups, len(store.completed)) != tried:
             batch = store.try_get_batch()
             # nothing a batch depends on has changed since a failed try: do not ask again (a speed-up only)
@@ -235,7 +252,7 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
                 lags = np.concatenate(toks) if toks else np.zeros(0, np.int64)
                 lag = store.version - lags
                 batch_staleness = (float(lag.mean()) if len(lag) else 0.0, int(lag.max()) if len(lag) else 0)
-                learner_done = now + train_s(batch_tokens)
+                starting = batch_tokens  # the step starts once the engines have leased what admission allows
                 continue
         t_next = min([learner_done] + [next_event(e) for e in pool])
         if t_next == math.inf:
@@ -246,6 +263,10 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
                 advance(e, t_next)
         now = t_next
         if learner_done <= now:
+            for e in pool:  # the decode steps beside the learner step, at the shared host's speed
+                if e.running and host[0] != 1.0:
+                    advance(e, now)
+            host[0] = 1.0
             version = store.version + 1
             ends = []
             for e in pool:

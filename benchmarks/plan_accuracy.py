@@ -4,9 +4,12 @@
 are measured first, in this run: the engine's steady-state tokens/s at two concurrencies (fitting
 the latency model's a + b * running), the learner's seconds per response token and the response
 lengths (histogram written to results/plan_tiny_lengths.json, given to the planner as --lengths)
-from a sync run. The planner then predicts useful tokens/s for sync and for its recommended
+from a sync run, and how much slower the learner runs beside generation on this machine's shared
+cores (--shared-host-slowdown) from a short async run at eta 1, over-provisioning 1.5, a setting
+outside the planner's grid. The planner then predicts useful tokens/s for sync and for its recommended
 setting; the recommended one is run for real and both are compared (sync's measured figure is the
-calibration run's own, so only its engine side is a prediction).
+calibration run's own, so only its engine side is a prediction); async eta 4 with over-provisioning
+5 and eta 2 with 2 are run and compared too, unless one of them is the recommendation.
 
 --simulated: the APRIL-shaped simulated workload (as rollout_throughput.py's, B = 32 x 8, 2 engines
 at concurrency 128, 16k limit) with a modelled learner: a 4B model on 2 H100s at MFU 0.4
@@ -76,27 +79,47 @@ def bench_tiny(steps: int, tmp: Path) -> dict:
     # Per step, weights and the controller's own work (batching, store calls) outside wait and train:
     # costed as the weight load, during which the planner's engines pause and its learner waits.
     update_s = statistics.median(r["timing_s/step"] - r["timing_s/rollout"] - r["timing_s/train"] for r in sync_rows[WARMUP:])
+    # Engines and learner share this machine (one core each, the store and driver on the learner's): a
+    # learner step is slower while the engine generates. Measured on an async setting outside the
+    # planner's grid (eta 1, over-provisioning 1.5), never on the one it is checked against.
+    progress(f"tiny: async eta 1, over-provisioning 1.5, {CALIBRATION_STEPS} steps (learner beside generation)")
+    overlap_rows = run_with(mode_config("async", tmp, [f"run.steps={CALIBRATION_STEPS}", *over[1:], "async.max_staleness=1",
+                                                       "rollout.over_provision=1.5"]))
+    overlapped = statistics.median(r["timing_s/train"] / r["rollout/tokens"] for r in overlap_rows[WARMUP:])
+    slowdown = max(1.0, overlapped / s_per_token)
     latency = LatencyModel(a=a, b=max(0.0, b), c=0.0, prefill_s_per_token=0.0, update_s=update_s)
     params = 1.0e6
     learner = LearnerModel(params, CPU_PEAK, 6 * params / (s_per_token * CPU_PEAK))
     prompt_tokens = int(statistics.median(prompts))
     lengths = load_lengths(str(hist_path))
-    rows = plan(base, lengths=lengths, gpus=2, learner=learner, latency=latency, prompt_tokens=prompt_tokens, steps=steps)
+    rows = plan(base, lengths=lengths, gpus=2, learner=learner, latency=latency, prompt_tokens=prompt_tokens, steps=steps,
+                shared_host_slowdown=slowdown)
+    assert (1.0, 1.5) not in [(r.setting.eta, r.setting.over_provision) for r in rows if r.setting.mode == "async"]
     pick = recommend(rows)
     sync_row = next(r for r in rows if r.setting.mode == "sync")
-    progress(f"tiny: {pick.setting} (the planner's recommendation)")
-    cfg = mode_config(pick.setting.mode, tmp, over + pick.setting.overrides)
-    rec_rows = run_with(cfg)
+    checked = [("sync", sync_row, sync_rows), ("recommended", pick, None)]
+    for eta, op in TINY_ALSO_CHECKED:  # a high and a low over-provisioning, unless one is the pick
+        row = next(r for r in rows if r.setting.mode == "async" and (r.setting.eta, r.setting.over_provision) == (eta, op))
+        if row.setting != pick.setting:
+            checked.append((f"async eta {eta}", row, None))
     out = []
-    for label, row, measured in (("sync", sync_row, sync_rows), ("recommended", pick, rec_rows)):
+    for label, row, measured in checked:
+        if measured is None:
+            progress(f"tiny: {row.setting} ({label})")
+            measured = run_with(mode_config(row.setting.mode, tmp, over + row.setting.overrides))
         m = summarize(measured, warmup=WARMUP)["useful_tokens_per_s"]
         out.append({"workload": "tiny", "label": label, "setting": row.setting.__dict__, "predicted": row.useful_tokens_per_s,
                     "measured": m, "error": row.useful_tokens_per_s / m - 1})
     return {"rows": out, "calibration": {"latency": latency.__dict__, "learner_s_per_token": s_per_token,
+                                         "learner_s_per_token_beside_generation": overlapped, "shared_host_slowdown": slowdown,
                                          "learner_mfu_at_1tflops": learner.mfu, "engine_tps64": tps64, "engine_tps16": tps16,
                                          "prompt_tokens": prompt_tokens, "lengths": str(hist_path)}}
 
 
+TINY_ALSO_CHECKED = ((4, 5.0), (2, 2.0))
+"""Async settings run beside the recommendation on the tiny task: over-provisioning eta + 1 and 2."""
+CALIBRATION_STEPS = 14
+"""Steps of the async run that measures the learner's slowdown beside generation (2 of them warm-up)."""
 SIM_PARAMS, SIM_LEARNER_GPUS = 4e9, 2
 
 

@@ -68,6 +68,8 @@ def run_one(label: str, mode: str, seed: int, steps: int, target: float, tmp: Pa
         "staleness_max": max(r["staleness/max"] for r in rows),
         "wasted_frac": rows[-1]["rollout/wasted_tokens"] / sum(r["rollout/generated_tokens"] for r in rows),
         "clip_frac_mean": statistics.mean(r.get("loss/clip_frac", 0.0) for r in rows),
+        # steps trained at each eta (a fixed eta: all of them; `auto`: where the tuner held it)
+        "steps_at_eta": {str(e): sum(1 for r in rows if r.get("async/eta") == e) for e in sorted({r.get("async/eta") for r in rows} - {None})},
         "curve": curve,
     }
 

@@ -9,7 +9,7 @@ from async_april.staleness import StalenessController
 
 
 def sig(ess=0.95, k3=0.001, wait=0.5):
-    return StepSignals(ess=ess, k3=k3, wait_frac=wait)
+    return StepSignals(ess=ess, k3=k3, wait_s=wait, step_s=1.0)
 
 
 def eta_tuner(low, high, **kw):
@@ -17,9 +17,9 @@ def eta_tuner(low, high, **kw):
 
 
 def run(tuner, eta, script):
-    etas, streak, values = [], 0, {"eta": eta}
+    etas, window, values = [], (), {"eta": eta}
     for s in script:
-        values, streak, _ = tuner.decide(values, streak, s)
+        values, window, _ = tuner.decide(values, window, s)
         etas.append(values["eta"])
     return etas
 
@@ -27,10 +27,10 @@ def run(tuner, eta, script):
 def test_raises_while_the_budget_holds_and_generation_is_the_bottleneck_then_lowers_when_broken():
     tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.2, raise_after=2)
     script = [
-        sig(), sig(),                # budget holds, learner waits half the step: raise after 2 steps
-        sig(), sig(),                # again
-        sig(wait=0.05), sig(),       # the learner barely waited: the streak restarts
-        sig(),                       # second bottlenecked step in a row -> 3 = high
+        sig(), sig(),                # budget holds, learner waits half the time over 2 steps: raise
+        sig(), sig(),                # again (the window starts empty after each change)
+        sig(wait=0.0), sig(wait=0.3),  # waited 15% of the window's time, under 20%: hold
+        sig(),                       # the window slides: waited 40% of (0.3, 0.5) -> 3 = high
         sig(), sig(), sig(),         # at the upper bound: hold
         sig(ess=0.8),                # budget broken: lower at once
         sig(ess=0.7),                # still broken: lower again
@@ -40,11 +40,23 @@ def test_raises_while_the_budget_holds_and_generation_is_the_bottleneck_then_low
     assert run(tuner, 0, script) == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 2, 1, 0, 0, 0]
 
 
+def test_a_learner_that_waits_in_bursts_is_bottlenecked_on_generation():
+    """At a low eta the learner often finds its batch ready and then waits for most of a step, in turn
+    (measured on the tiny task at eta 1: waits of 1-2% of the step, then one of 30-50%, every 3-6
+    steps). The share of the time it waited over the window says generation is the bottleneck; a
+    rule of consecutive waiting steps saw that as never, and held eta at 1 for the whole run."""
+    tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.1, raise_after=2)
+    bursty = [sig(wait=0.5), sig(wait=0.02), sig(wait=0.02)] * 4
+    assert run(tuner, 0, bursty) == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3]
+    # Waits of 2% of every step are no bottleneck, whatever the window.
+    assert run(tuner, 0, [sig(wait=0.02)] * 12) == [0] * 12
+
+
 def test_k3_budget_and_missing_signal():
     tuner = eta_tuner(1, 4, min_ess=None, max_k3=0.01, raise_wait_frac=0.1, raise_after=1)
     assert run(tuner, 1, [sig(k3=0.005), sig(k3=0.02), sig(k3=0.009, wait=0.0)]) == [2, 1, 1]
     # Without a measurement the controller never raises (it cannot know the budget holds).
-    assert run(tuner, 2, [StepSignals(ess=0.99, k3=None, wait_frac=0.9)] * 3) == [2, 2, 2]
+    assert run(tuner, 2, [StepSignals(ess=0.99, k3=None, wait_s=0.9, step_s=1.0)] * 3) == [2, 2, 2]
 
 
 def test_signals_from_step_metrics():
@@ -63,9 +75,9 @@ def test_bad_settings_raise():
 def test_two_knobs_raise_in_order_and_lower_the_last_raised_first():
     tuner = OffPolicyTuner((Knob("eta", 0, 1, 1), Knob("over_provision", 1.0, 2.0, 0.5)), min_ess=0.9,
                            raise_wait_frac=0.1, raise_after=1)
-    values, streak, trace = {"eta": 0, "over_provision": 1.0}, 0, []
+    values, window, trace = {"eta": 0, "over_provision": 1.0}, (), []
     for s in [sig()] * 4 + [sig(ess=0.5)] * 4:
-        values, streak, decision = tuner.decide(values, streak, s)
+        values, window, decision = tuner.decide(values, window, s)
         trace.append((values["eta"], values["over_provision"], decision))
     assert trace == [(1, 1.0, "raise"), (1, 1.5, "raise"), (1, 2.0, "raise"), (1, 2.0, "hold"),
                      (1, 1.5, "lower"), (1, 1.0, "lower"), (0, 1.0, "lower"), (0, 1.0, "hold")]
@@ -85,7 +97,7 @@ def test_scripted_run_never_admits_past_the_current_eta():
     B = 4
     tuner = eta_tuner(0, 3, min_ess=0.9, raise_wait_frac=0.1, raise_after=1)
     script = [sig()] * 4 + [sig(ess=0.5)] * 3 + [sig()] * 3 + [sig(ess=0.5)] * 4
-    eta, streak, version, admitted = 0, 0, 0, 0
+    eta, window, version, admitted = 0, (), 0, 0
     deadline: dict[int, int] = {}  # group index -> last version it may be trained at
     trained = 0
     seen_etas = []
@@ -99,7 +111,7 @@ def test_scripted_run_never_admits_past_the_current_eta():
             assert version <= deadline[g], (g, version, deadline[g])
         trained += B
         version += 1
-        values, streak, _ = tuner.decide({"eta": eta}, streak, s)
+        values, window, _ = tuner.decide({"eta": eta}, window, s)
         eta = int(values["eta"])
         seen_etas.append(eta)
     assert max(seen_etas) == 3 and seen_etas[-1] == 0  # it did raise to the top and lower to the bottom

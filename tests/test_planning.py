@@ -88,6 +88,31 @@ def test_sync_simulation_matches_the_analytic_step():
     assert 0 < asyn.staleness_max <= 2
 
 
+def test_shared_host_slowdown_lengthens_only_steps_that_overlap_generation():
+    """On one machine's cores (the tiny CPU task) learner and engines slow each other while both run:
+    sync never overlaps them, so it is unchanged; learner-bound async pays the factor on every step;
+    generation-bound async pays it on the decode steps beside training."""
+    L, a, train, update, f = 40, 0.01, 0.7, 0.05, 1.5
+    kw = {"steps": 8, "engines": 1, "step_s": lambda b, t, p: a, "update_s": update, "train_s": lambda n: train,
+          "sample_length": _const(L), "prompt_tokens": 8}
+    tokens = 4 * 4 * L
+    sync_cfg = _cfg("async.max_staleness=0", "rollout.over_provision=1")
+    assert simulate(sync_cfg, shared_host_slowdown=f, **kw).useful_tokens_per_s(2) == pytest.approx(
+        simulate(sync_cfg, **kw).useful_tokens_per_s(2), rel=1e-9)
+    asyn = simulate(_cfg("async.max_staleness=2", "rollout.over_provision=3", "rollout.on_weight_update=interrupt"),
+                    shared_host_slowdown=f, **kw)
+    assert asyn.useful_tokens_per_s(2) == pytest.approx(tokens / (f * train + update), rel=0.02)
+    # generation-bound (40 decode steps of 0.1 s against a 0.7 s step): the 0.7 s beside training cost f
+    slow = {**kw, "step_s": lambda b, t, p: 0.1}
+    gen_bound = _cfg("async.max_staleness=1", "rollout.over_provision=1", "rollout.on_weight_update=continue")
+    base_tps = simulate(gen_bound, **slow).useful_tokens_per_s(2)
+    assert base_tps == pytest.approx(tokens / (L * 0.1 + update), rel=0.03)
+    assert simulate(gen_bound, shared_host_slowdown=f, **slow).useful_tokens_per_s(2) == pytest.approx(
+        tokens / (L * 0.1 + (f - 1) * f * train + update), rel=0.05)
+    with pytest.raises(ValueError, match="shared_host_slowdown"):
+        simulate(sync_cfg, shared_host_slowdown=0.5, **kw)
+
+
 def test_simulation_never_trains_past_eta_and_ceiling_is_full_concurrency_rate():
     step = lambda b, t, p: 0.001 + 1e-4 * b + 1e-7 * t + 1e-6 * p
     lengths = lambda rng: int(rng.integers(1, 48))
@@ -137,6 +162,7 @@ def test_plan_prints_every_row_and_recommends_the_best(capsys, tmp_path):
     (["--gpus", "0"], "--gpus 0"),
     (["--gpus", "1"], "at least 2"),
     (["--latency", "1,2"], "--latency"),
+    (["--shared-host-slowdown", "0.5"], "--shared-host-slowdown 0.5: must be a number >= 1"),
 ])
 def test_plan_bad_input_is_one_clear_error(capsys, tmp_path, args, message):
     code, _out, err = _plan(capsys, tmp_path, "--params", "1e6", *args)

@@ -176,9 +176,9 @@ class AutoStalenessConfig(Section):
     max_k3: float | None = Field(None, gt=0.0)
     """Budget: highest k3 KL(pi_behav || pi_theta) per token (mismatch/k3) a step may have; above it eta goes down. None: no KL budget."""
     raise_wait_frac: float = Field(0.1, ge=0.0, le=1.0)
-    """Generation is the bottleneck when the learner waited at least this share of the step for its batch (timing_s/rollout / timing_s/step); only then does eta go up."""
+    """Generation is the bottleneck when the learner waited for its batch (timing_s/rollout) at least this share of the summed step time (timing_s/step) of the last `raise_after` steps; only then does eta go up."""
     raise_after: int = Field(2, ge=1, le=1000)
-    """Consecutive steps within budget and bottlenecked on generation before a setting goes up one step (eta first, then over-provisioning; lowered in reverse)."""
+    """Steps since the last change, each within budget, over which the learner's wait is judged (a window that slides; it starts empty after every change); when they were bottlenecked on generation a setting goes up one step (eta first, then over-provisioning; lowered in reverse)."""
     over_provision_min: float = Field(1.0, ge=1.0, le=64.0)
     """Lowest `rollout.over_provision` that `auto` may choose; the run starts there."""
     over_provision_max: float = Field(4.0, ge=1.0, le=64.0)

@@ -22,6 +22,10 @@ row's mode sets early_stop and on_weight_update as its preset (configs/presets/)
     --latency A,B,C,P[,U]  engine cost per decode step A + B * running + C * batch_tokens
                        + P * prefill_tokens, and U seconds per weight load (default: the simulated
                        engine's, a 4B model on one H100, scaled by params / 4e9)
+    --shared-host-slowdown F  engines and learner on cores of one machine (the tiny CPU task): a
+                       learner step beside generation, and the decode steps beside it, take F times
+                       as long (measure F as the learner's seconds per token in an async run over a
+                       sync run's; the engines' is assumed the same). Default 1: GPUs of their own
     --prompt-tokens N  prompt length (default 256)
     --steps N          learner steps simulated per row (default 12; the first 2 are warm-up)
     --json FILE        also write the rows as JSON
@@ -67,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--mfu", type=float, default=None)
     ap.add_argument("--latency", default=None)
+    ap.add_argument("--shared-host-slowdown", type=float, default=1.0)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default=None)
@@ -123,12 +128,15 @@ def row_config(cfg, s: Setting, engines: int):
 
 
 def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_tokens: int = 256, steps: int = 12,
-         settings: list[Setting] | None = None) -> list[Row]:
+         settings: list[Setting] | None = None, shared_host_slowdown: float = 1.0) -> list[Row]:
     """Simulate every setting (default: the grid for `gpus`) and return the table's rows."""
     from async_april.plan_sim import engine_ceiling, simulate
 
     if steps <= WARMUP:
         raise UserError(f"--steps {steps}: needs more than the {WARMUP} warm-up steps")
+    if not (shared_host_slowdown >= 1.0 and math.isfinite(shared_host_slowdown)):
+        raise UserError(f"--shared-host-slowdown {shared_host_slowdown:g}: must be a number >= 1 (1: the learner's "
+                        "GPUs are its own; above 1: how many times longer a learner step takes while the engines generate)")
     r = cfg.rollout
     per_engine = max(1, math.ceil(r.gpus_per_actor))
     settings = settings if settings is not None else grid(gpus, per_engine)
@@ -143,7 +151,7 @@ def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_toke
         engines = s.rollout_gpus // per_engine
         res = simulate(row_config(cfg, s, engines), steps=steps, engines=engines, step_s=cost, update_s=latency.update_s,
                        train_s=lambda n, g=s.learner_gpus: learner.step_s(n, g), sample_length=lengths.sample,
-                       prompt_tokens=prompt_tokens)
+                       prompt_tokens=prompt_tokens, shared_host_slowdown=shared_host_slowdown)
         rows.append(Row(s, res.useful_tokens_per_s(WARMUP), res.generated_tokens_per_s() / (engines * peak),
                         float(np.mean(res.staleness[WARMUP:])), res.staleness_max,
                         res.wasted_tokens / max(1, res.generated_tokens),
@@ -168,12 +176,14 @@ def main(argv: list[str]) -> int:
     latency = latency_model(a.latency, params)
     r = cfg.rollout
     gpus = a.gpus if a.gpus is not None else max(2, r.num_actors * max(1, math.ceil(r.gpus_per_actor)) + cfg.learner.world_size)
-    rows = plan(cfg, lengths=lengths, gpus=gpus, learner=learner, latency=latency, prompt_tokens=a.prompt_tokens, steps=a.steps)
+    rows = plan(cfg, lengths=lengths, gpus=gpus, learner=learner, latency=latency, prompt_tokens=a.prompt_tokens, steps=a.steps,
+                shared_host_slowdown=a.shared_host_slowdown)
     pick = recommend(rows)
     say(f"plan for {a.config}: {gpus} GPUs, batch {r.batch_groups} x {r.n_samples}, concurrency {r.concurrency} per engine, "
         f"max_new_tokens {r.max_new_tokens}, lengths {a.lengths}, prompts {a.prompt_tokens} tokens, {a.steps} steps per row "
         f"({WARMUP} warm-up)")
-    say(learner.describe())
+    say(learner.describe() + (f"; learner and engines x {a.shared_host_slowdown:g} while both run (--shared-host-slowdown)"
+                              if a.shared_host_slowdown != 1.0 else ""))
     say(f"engine model: {latency.a:.3g} + {latency.b:.3g} x running + {latency.c:.3g} x batch_tokens + "
         f"{latency.prefill_s_per_token:.3g} x prefill_tokens s per decode step, {latency.update_s:.3g} s per weight load "
         "(override with --latency)")
