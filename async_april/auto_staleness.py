@@ -71,6 +71,12 @@ Window = tuple[tuple[float, float], ...]
 """(wait_s, step_s) of the last steps within budget since the last change, newest last, at most raise_after."""
 
 
+def wait_share(window: Window) -> float:
+    """The share of the window's summed step time the learner spent waiting for its batches (0 if empty)."""
+    took = sum(t for _, t in window)
+    return sum(w for w, _ in window) / took if took > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Knob:
     """A setting the tuner may move, within [low, high] by `step`; `name` is its metric (`async/<name>`)."""
@@ -139,11 +145,10 @@ class OffPolicyTuner:
             return values, (), "hold"
         window = self.judged(window, s)
         raisable = [k for k in self.knobs if values[k.name] < k.high]
-        waited, took = sum(w for w, _ in window), sum(t for _, t in window)
-        if raisable and len(window) == self.raise_after and took > 0 and waited >= self.raise_wait_frac * took:
+        if raisable and len(window) == self.raise_after and wait_share(window) >= self.raise_wait_frac:
             k = raisable[0]
             return {**values, k.name: k.clamp(values[k.name] + k.step)}, (), "raise"
         return values, window, "hold"
 
 
-__all__ = ["Knob", "OffPolicyTuner", "StepSignals", "Window"]
+__all__ = ["Knob", "OffPolicyTuner", "StepSignals", "Window", "wait_share"]

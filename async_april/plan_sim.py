@@ -124,8 +124,8 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
     pool = [_Engine(f"sim{i}", r.concurrency) for i in range(engines)]
     block = max(1, r.concurrency // BLOCK_DIVISOR)
     now, learner_done, batch_tokens = 0.0, math.inf, 0
-    host = [1.0]
-    """The engines' cost multiplier now: shared_host_slowdown while a learner step runs beside them."""
+    host = 1.0
+    """The engines' and learner's cost multiplier now: shared_host_slowdown while both run."""
     starting: int | None = None
     """Tokens of the batch just taken, until its step's end time is set."""
     batch_staleness: tuple[float, int] = (0.0, 0)
@@ -150,7 +150,7 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
         first = step_s(b, t0, 0)
         costs = first + (step_s(b, t0 + b, 0) - first) * np.arange(k, dtype=np.float64)
         costs[0] += step_s(0, 0, e.prefill) - step_s(0, 0, 0)
-        return np.cumsum(costs) * host[0]
+        return np.cumsum(costs) * host
 
     def advance(e: _Engine, until: float, finish_step: bool = False) -> None:
         """Decode on `e` up to simulated time `until`; with `finish_step`, the step under way then ends
@@ -232,9 +232,8 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
                 advance(e, now, finish_step=True)  # new work joins between two decode steps
             lease(e)
         if starting is not None:  # a batch was just taken: does generation run beside its step?
-            overlapped = any(e.running for e in pool)
-            learner_done = now + train_s(starting) * (shared_host_slowdown if overlapped else 1.0)
-            host[0] = shared_host_slowdown if overlapped else 1.0
+            host = shared_host_slowdown if any(e.running for e in pool) else 1.0
+            learner_done = now + train_s(starting) * host
             starting = None
         if learner_done == math.inf and (store.version, store.counters.started_groups, len(store.completed)) != tried:
             batch = store.try_get_batch()
@@ -264,9 +263,9 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
         now = t_next
         if learner_done <= now:
             for e in pool:  # the decode steps beside the learner step, at the shared host's speed
-                if e.running and host[0] != 1.0:
+                if e.running and host != 1.0:
                     advance(e, now)
-            host[0] = 1.0
+            host = 1.0
             version = store.version + 1
             ends = []
             for e in pool:

@@ -59,12 +59,10 @@ def test_plan_is_within_20_percent_of_a_real_learner_steps_peak(tiny):
 
 
 FRAGMENTS = """
-import os, sys, torch
+import sys, torch
 from async_april.config import config_from_dict
 from learners.worker import LearnerWorker
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from tests.memory_probe import rss
 w = LearnerWorker(config_from_dict({"learner": {"device": "cpu"}}), sys.argv[1], master_port=int(sys.argv[2]))
 big = torch.ones(1 << 20); del big  # a freed 4 MB block: glibc's default would now serve 2 MB ones from its heap
 kept, temps, before = [], [], rss()
@@ -81,12 +79,9 @@ def test_a_cpu_learner_rank_returns_freed_activations_to_the_os(tiny):
     """learners/host_allocator.py: after a LearnerWorker is built on CPU, 40 freed 2 MB temporaries between
     kept 128 KB tensors leave the RSS. With glibc's default dynamic mmap threshold 89 MB of them stayed
     resident: the fragmentation that cost Ulysses SP=2 a third of its peak (docs/benchmarks.md)."""
-    import socket
+    from tests.test_learner import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-c", FRAGMENTS, str(tiny), str(port)], env=env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", FRAGMENTS, str(tiny), str(free_port())], env=env(), capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resident_mb = float(proc.stdout.strip().splitlines()[-1])

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from async_april.auto_staleness import OffPolicyTuner, StepSignals, Window
+from async_april.auto_staleness import OffPolicyTuner, StepSignals, Window, wait_share
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
@@ -274,7 +274,6 @@ class RunState:
         now = {k.name: metrics[f"async/{k.name}"] for k in tuner.knobs}
         signals = StepSignals.from_metrics(metrics)
         judged = tuner.judged(self.raise_window, signals)  # for the console line: the wait the decision saw
-        waited = sum(w for w, _ in judged) / max(1e-12, sum(t for _, t in judged))
         new, self.raise_window, decision = tuner.decide(now, self.raise_window, signals)
         out = {}
         for name, value in new.items():
@@ -282,7 +281,7 @@ class RunState:
                 setter = "set_max_staleness" if name == "eta" else "set_over_provision"
                 ray.get(store.call.remote(setter, int(value) if name == "eta" else value))
                 say(f"auto: {decision} {name} {now[name]:g} -> {value:g} (mismatch/ess {metrics.get('mismatch/ess', float('nan')):.3f}, "
-                    f"mismatch/k3 {metrics.get('mismatch/k3', float('nan')):.2e}, waited {waited:.0%} of the last {len(judged)} step(s))")
+                    f"mismatch/k3 {metrics.get('mismatch/k3', float('nan')):.2e}, waited {wait_share(judged):.0%} of the last {len(judged)} step(s))")
             out[f"async/{name}"], out[f"async/{name}_change"] = value, value - now[name]
         return out
 
