@@ -35,7 +35,8 @@ def stale_data(seed=1):
     lp[2, 3] = beh[2, 3] + 1.0  # direct ratio e^1 > clip and > a CISPO max of 1.5... (A < 0: dual clip)
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 5 + [0], [1] * 3 + [0] * 3], dtype=torch.bool)
     adv = torch.tensor([0.9, -0.6, -1.1, 0.4], dtype=F64)
-    return dict(lp=lp, beh=beh, prox=prox, mask=mask, adv=adv)
+    ref = lp + 0.3 * torch.randn(B, T, generator=g, dtype=F64)  # a reference policy for the k3 KL term
+    return dict(lp=lp, beh=beh, prox=prox, mask=mask, adv=adv, ref=ref)
 
 
 def ref_divergence(d, kind):
@@ -124,13 +125,16 @@ def reference(data, s, lp):
             stats["bounded"].append(float(bounded[t]))
             stats["clip"].append(float(clipped))
             term = -obj * w[t] if keep[(b, t)] else 0 * obj
+            if s.kl_coef > 0 and keep[(b, t)]:  # a rejected token gets no loss at all: no KL either
+                d = float(data["ref"][b, t]) - lp[b, t]
+                term = term + s.kl_coef * (torch.exp(d) - d - 1.0)
             if (b, t) in counted:
                 terms.append(term)
         if s.aggregation == "seq_mean_token_mean":
             total = total + (sum(terms) / len(terms) if terms else 0.0)
         else:
             total = total + sum(terms)
-    denom = g_seq if s.aggregation == "seq_mean_token_mean" else g_tok
+    denom = {"seq_mean_token_mean": g_seq, "constant": (s.constant_normalizer or 0.0) * g_seq}.get(s.aggregation, g_tok)
     n = len(stats["rejected"])
     metrics = {"is/rejected_frac": sum(stats["rejected"]) / n, "is/bounded_frac": sum(stats["bounded"]) / n,
                "loss/clip_frac": sum(stats["clip"]) / n}
@@ -144,15 +148,16 @@ def run_both(s, data=None):
     want.backward()
     lp = data["lp"].clone().requires_grad_(True)
     loss, metrics = policy_loss(lp, data["beh"], data["adv"], data["mask"], s, g_tok, g_seq,
-                                proximal_logprobs=data["prox"], batch_tokens=float(data["mask"].sum()))
+                                proximal_logprobs=data["prox"], ref_logprobs=data["ref"], batch_tokens=float(data["mask"].sum()))
     loss.backward()
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
     torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-12, atol=1e-14)
     for key, value in want_metrics.items():
         assert float(metrics[key]) == pytest.approx(value, abs=1e-12), key
-    # loss/policy is reported so that the _tokens-weighted mean is the batch's loss
-    assert float(metrics["loss/policy"]) == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
-    return want_metrics, g_tok, g_seq
+    # loss/policy (+ kl_coef x loss/kl) is reported so that the _tokens-weighted mean is the batch's loss
+    reported = float(metrics["loss/policy"]) + (s.kl_coef * float(metrics["loss/kl"]) if s.kl_coef > 0 else 0.0)
+    assert reported == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
+    return want_metrics, g_tok, g_seq, lp.grad
 
 
 def midpoint(data, divergence, level, q):
@@ -179,15 +184,34 @@ def test_rejection_by_each_divergence_and_level(divergence, level, keep_in_norma
     high = midpoint(data, divergence, level, 0.7)
     low = midpoint(data, divergence, level, 0.2) if divergence == "k1" else None  # k1 is signed: both bounds
     r = RejectionSettings(divergence=divergence, level=level, low=low, high=high, keep_in_normalizer=keep_in_normalizer)
-    metrics, g_tok, _ = run_both(LossSettings(**{**base.__dict__, "rejection": r}), data)
+    metrics, g_tok, _, _ = run_both(LossSettings(**{**base.__dict__, "rejection": r}), data)
     assert 0 < metrics["is/rejected_frac"] < 1
     assert (g_tok < float(data["mask"].sum())) == (not keep_in_normalizer)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
+@pytest.mark.parametrize("keep_in_normalizer", [True, False])
+def test_a_rejected_token_carries_no_kl_gradient_in_either_normaliser_mode(keep_in_normalizer, aggregation):
+    """docs/algorithms.md: a rejected token gets no loss, so with kl_coef > 0 none of its k3 KL either,
+    whether it stays in the normaliser (slime) or leaves it (verl 0.9.1 removes it from response_mask,
+    and verl/workers/utils/losses.py `ppo_loss` aggregates the KL over that same mask). The gradient
+    at every rejected token is exactly 0; before the fix, kept in the normaliser, it was the KL's."""
+    data = stale_data()
+    r = RejectionSettings(divergence="k3", level="token", high=midpoint(data, "k3", "token", 0.6),
+                          keep_in_normalizer=keep_in_normalizer)
+    s = LossSettings(correction="decoupled", rejection=r, kl_coef=0.5, aggregation=aggregation, constant_normalizer=6.0)
+    metrics, _, _, grad = run_both(s, data)
+    keep = ref_keep(data, s, data["lp"])
+    rejected = torch.tensor([[not keep.get((b, t), True) for t in range(6)] for b in range(4)])
+    assert 0 < metrics["is/rejected_frac"] < 1 and rejected.any()
+    assert torch.equal(grad[rejected], torch.zeros_like(grad[rejected]))
+    assert (grad[data["mask"] & ~rejected] != 0).all()  # kept tokens carry the policy and the KL gradient
 
 
 @pytest.mark.parametrize("correction", ["direct", "decoupled"])
 def test_rejection_against_the_current_policy_and_only_negative_advantages(correction):
     r = RejectionSettings(divergence="k1", level="sequence_mean", high=0.05, against="current", negative_advantages_only=True)
-    metrics, _, _ = run_both(LossSettings(correction=correction, rejection=r))
+    metrics, _, _, _ = run_both(LossSettings(correction=correction, rejection=r))
     assert 0 < metrics["is/rejected_frac"] < 1
 
 
@@ -195,7 +219,7 @@ def test_rejection_against_the_current_policy_and_only_negative_advantages(corre
 @pytest.mark.parametrize("correction", ["direct", "decoupled"])
 def test_cispo(correction, weight_min):
     s = LossSettings(loss="cispo", correction=correction, cispo_weight_min=weight_min, cispo_weight_max=1.5, weight_floor=0.5)
-    metrics, _, _ = run_both(s)
+    metrics, _, _, _ = run_both(s)
     assert metrics["loss/clip_frac"] > 0
 
 
@@ -203,7 +227,7 @@ def test_cispo(correction, weight_min):
 def test_product_sequence_weight(bound):
     s = LossSettings(correction="decoupled", weight_level="sequence_product", weight_bound=bound, weight_cap=1.5,
                      mask_low=0.3, mask_high=1.5)
-    metrics, _, _ = run_both(s)
+    metrics, _, _, _ = run_both(s)
     assert (metrics["is/bounded_frac"] > 0) == (bound != "none")
 
 
@@ -221,8 +245,8 @@ def test_product_weight_is_the_product_not_the_geometric_mean():
 
 def test_weight_floor_clamps_truncated_weights_from_below():
     s = LossSettings(correction="decoupled", weight_bound="truncate", weight_cap=2.0, weight_floor=0.5)
-    metrics, _, _ = run_both(s)
-    no_floor, _, _ = run_both(LossSettings(**{**s.__dict__, "weight_floor": 0.0}))
+    metrics, _, _, _ = run_both(s)
+    no_floor, _, _, _ = run_both(LossSettings(**{**s.__dict__, "weight_floor": 0.0}))
     assert metrics["is/bounded_frac"] > no_floor["is/bounded_frac"]  # token (0, 1), w = 0.2, now bounded
 
 

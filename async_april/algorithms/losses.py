@@ -28,7 +28,8 @@ Loss (`algorithm.loss`): ppo (PPO-clip on the token ratio), gspo (on the sequenc
 cispo (the clipped ratio as a detached weight on log pi_theta: no token loses its gradient).
 
 Rejection (`algorithm.rejection`): tokens or whole sequences whose k1/k2/k3 divergence between
-the behaviour policy and the proximal (or current) one leaves [low, high] get zero loss; they
+the behaviour policy and the proximal (or current) one leaves [low, high] get zero loss (policy
+and KL terms alike, so no gradient at all); they
 stay in the normaliser or leave it (then the caller passes the KEPT counts as global_tokens /
 global_sequences and the batch's real token count as `batch_tokens`).
 
@@ -259,7 +260,11 @@ def policy_loss(
     if s.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError(f"algorithm.kl_coef={s.kl_coef} > 0 needs ref_logprobs; pass them or set algorithm.kl_coef=0")
-        kl_loss = aggregate(k3_kl(logprobs, ref_logprobs, m), counted, **agg)
+        kl = k3_kl(logprobs, ref_logprobs, m)
+        # A rejected token gets no loss, so no KL either, in or out of the normaliser (verl 0.9.1 drops it
+        # from response_mask, which verl/workers/utils/losses.py `ppo_loss` also aggregates the KL over).
+        kl = torch.where(rejected, torch.zeros_like(kl), kl)
+        kl_loss = aggregate(kl, counted, **agg)
         loss = loss + s.kl_coef * kl_loss
 
     is_weight = ratio.detach() if weight is None else raw_weight
