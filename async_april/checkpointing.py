@@ -19,7 +19,12 @@ validates the manifest against its schema (`Manifest`) and the files against it
 (sizes, and sha256 unless `checkpoint.verify: size`); a checkpoint that fails is
 skipped with a warning naming it and the one used instead. Older checkpoints
 beyond `checkpoint.keep` are deleted after each successful save (never the one
-just written).
+just written). The checkpoint a run resumes from is then read back before
+anything is written (`async_april/launch/resolve.py`): its store state must decode
+(`state_codec`: allowed classes, their own fields, well-formed tags) into a store
+of this config whose accounting holds, and controller.json must hold the counts a
+resume reads; anything else is one CheckpointError naming the file, not a
+traceback after Ray started.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +55,6 @@ TMP_PREFIX = ".tmp-"
 FORMAT = 2
 """Manifest format. 1 held a pickled store (`store.pkl`) and is no longer loaded."""
 REQUIRED_FILES = ("store.json", "store.safetensors", "controller.json", "learner/learner.json")
-CONTROLLER_KEYS = ("step", "policy_version", "train/bad_steps", "rollout/actor_restarts", "time/elapsed_s")
 MODEL_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
 """config.json entries that decide whether a checkpoint's tensors fit a model."""
@@ -80,10 +84,17 @@ class Manifest(BaseModel):
     files: dict[str, FileEntry] = Field(min_length=1)
 
 
+RESTORED_KEYS = ("step", "policy_version", "train/bad_steps", "rollout/actor_restarts")
+"""controller.json entries a resume reads as counts (launch/controller.py RunState.restore): integers >= 0."""
+NOT_WRITTEN_BY_US = ("async-april never writes that (the checkpoint was edited, or is not from this version); resume "
+                     "from another checkpoint (run.resume=PATH) or start afresh (a new run.dir, or run.overwrite=true)")
+
+
 @dataclass
 class Checkpoint:
     path: Path
     manifest: Manifest
+    _store: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def step(self) -> int:
@@ -98,10 +109,30 @@ class Checkpoint:
         return self.path / "learner"
 
     def store_state(self) -> dict:
-        return state_codec.load(self.path, "store")
+        """The store's state, decoded once (then reused); CheckpointError naming store.json and what is wrong
+        when state_codec cannot read it back (a class it does not allow, fields a class lacks, a malformed tag)."""
+        if self._store is None:
+            try:
+                state = state_codec.load(self.path, "store")
+            except (state_codec.StateFormatError, OSError) as e:
+                raise CheckpointError(f"run.resume: {one_line(str(e), 300)}; {NOT_WRITTEN_BY_US}") from None
+            if not isinstance(state, dict):
+                raise CheckpointError(f"run.resume: {self.path / 'store.json'} holds a {type(state).__name__}, "
+                                      f"not the store's state; {NOT_WRITTEN_BY_US}")
+            self._store = state
+        return self._store
 
     def controller_state(self) -> dict[str, Any]:
-        return json.loads((self.path / "controller.json").read_text())
+        """controller.json; CheckpointError unless it is an object with the counts a resume reads (RESTORED_KEYS)."""
+        path = self.path / "controller.json"
+        try:
+            c = loads_json(path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"run.resume: {path} is unreadable ({one_line(str(e), 200)})") from None
+        bad = [k for k in RESTORED_KEYS if not isinstance(c, dict) or type(c.get(k)) is not int or c[k] < 0]
+        if bad:
+            raise CheckpointError(f"run.resume: {path} lacks integer counts >= 0 for {', '.join(bad)}; {NOT_WRITTEN_BY_US}")
+        return c
 
 
 def config_hash(cfg: Config) -> str:

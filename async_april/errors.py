@@ -4,7 +4,8 @@ Every expected failure caused by what the user gave us -- config, YAML, data,
 model, reward, checkpoint, run directory, plot input -- raises a subclass of
 `UserError` whose message names the file, key or row and the fix. The CLI
 prints it as one line, `error: <message>`, and exits 2, without a traceback
-(async_april/launch/cli.py). Anything else is a bug or a fault and keeps its traceback.
+(async_april/launch/cli.py); `UserErrors` carries several, one line each. Anything
+else is a bug or a fault and keeps its traceback.
 
 This module imports nothing, so the config schema can use it.
 """
@@ -14,6 +15,15 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Bad input, phrased for the person who gave it: what is wrong, where, and what to do."""
+
+
+class UserErrors(UserError):
+    """Several problems found together (`async-april check` lists every one it finds): the CLI prints one
+    `error:` line per problem, after the `notes` (checks skipped because one they need failed)."""
+
+    def __init__(self, problems: list[str], notes: list[str] | tuple[str, ...] = ()):
+        super().__init__("; ".join(problems))
+        self.problems, self.notes = list(problems), list(notes)
 
 
 class ModelError(UserError, ValueError):

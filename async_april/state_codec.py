@@ -143,6 +143,9 @@ def _dataclass(name: str, fields: dict[str, Any]) -> Any:
         raise StateFormatError(f"state names dataclass {name!r}, which is not in state_codec.ALLOWED_DATACLASSES")
     module, _, qualname = name.partition(":")
     cls = getattr(importlib.import_module(module), qualname)
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:  # setattr would take any name: a crafted field could shadow a method with data
+        raise StateFormatError(f"state gives {name} fields it does not have: {', '.join(map(repr, unknown[:5]))}")
     obj = cls.__new__(cls)  # field by field: no __init__/__post_init__ side effects on restore
     for f in dataclasses.fields(cls):  # a field added after the state was written gets its default
         if f.name not in fields and f.default is not dataclasses.MISSING:
@@ -213,7 +216,7 @@ def load(directory: str | Path, name: str, fetch: Fetch | None = None) -> Any:
     directory = Path(directory)
     doc = read_doc(directory, name)
     tensors_path = str(directory / f"{name}.safetensors")
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     with safe_open(tensors_path, framework=doc["framework"]) as f:
         def default_fetch(tag: dict) -> Any:
@@ -224,6 +227,11 @@ def load(directory: str | Path, name: str, fetch: Fetch | None = None) -> Any:
                 return f.get_tensor(tag["$pt"])
             if fetch is not None:
                 return fetch(tag)
-            raise StateFormatError(f"{directory / name}.json: unknown tag {sorted(tag)}")
+            raise StateFormatError(f"unknown tag {sorted(tag)}")
 
-        return decode(doc["tree"], default_fetch)
+        try:
+            return decode(doc["tree"], default_fetch)
+        except StateFormatError as e:
+            raise StateFormatError(f"{directory / name}.json: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, SafetensorError) as e:  # a tag of the wrong shape
+            raise StateFormatError(f"{directory / name}.json: not a state this code wrote ({type(e).__name__}: {e})") from None

@@ -426,6 +426,16 @@ class RolloutStore:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()`'s output; ValueError naming the entry for anything else (a checkpoint
+        edited by hand would otherwise set any attribute to anything: async_april/checkpointing.py)."""
+        unknown = sorted(str(k) for k in state if k not in self.__dict__ or k in self._NOT_SAVED)
+        if unknown:
+            raise ValueError(f"the store state holds entries a store does not have: {', '.join(unknown[:5])}")
+        for k, v in state.items():  # one saved by an older version may lack newer entries: they keep their defaults
+            want = type(self.__dict__[k])
+            number = isinstance(v, (int, float)) and want in (int, float) and not isinstance(v, bool)
+            if not (isinstance(v, want) or number):
+                raise ValueError(f"the store state's {k!r} is a {type(v).__name__}, not a {want.__name__}")
         configured = self.max_staleness, self.over_provision
         self.__dict__.update(copy.deepcopy(state))
         # Tuned settings continue from the checkpoint; fixed ones are the config's (it may have been changed).

@@ -65,6 +65,40 @@ def only_a_corrupt_checkpoint(t: Path) -> Path:
     return path
 
 
+def tampered_checkpoint(t: Path, edit, name: str = "store.json") -> Path:
+    """A checkpoint of the tiny model with a real store state (a partial and finished samples), whose
+    `name` (store.json or controller.json) `edit` changed, the manifest's size and sha256 updated to match
+    as whoever edited it would: only reading the state back can tell."""
+    import hashlib
+
+    from async_april.checkpointing import model_shape
+    from tests.test_store import abort, finish, make_store
+
+    st = make_store()
+    work = st.lease("a", 4, 0)
+    st.push("a", [abort(work[0]), finish(work[2]), finish(work[3])])
+    controller = {"step": 3, "policy_version": 3, "train/bad_steps": 0, "rollout/actor_restarts": 0, "time/elapsed_s": 1.0}
+    path = CheckpointManager(t / "other").save(3, 3, FakeLearner(), st.state_dict(), controller, None, "h",
+                                              model_shape(ensure_tiny_model()))
+    doc = json.loads((path / name).read_text())
+    write(path / name, json.dumps(edit(doc)))
+    manifest = json.loads((path / "manifest.json").read_text())
+    raw = (path / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    write(path / "manifest.json", json.dumps(manifest))
+    return path
+
+
+def first_sample(doc: dict) -> dict:
+    """The encoded tree's first dataclass object (a Sample of the partial buffer)."""
+    return next(iter(doc["tree"]["partials"].values()))
+
+
+def crafted(doc: dict, **change) -> dict:
+    first_sample(doc).update(change)
+    return doc
+
+
 def used_run_dir(t: Path) -> Path:
     jsonl(t / "used" / "metrics.jsonl", [{"train/step": 1}])
     return t / "used"
@@ -121,6 +155,21 @@ CASES = [
     ("resume-only-corrupt", lambda t: ["CFG", f"run.resume={only_a_corrupt_checkpoint(t)}"], r"manifest\.json is not valid JSON.*no older valid checkpoint"),
     ("resume-another-model", lambda t: ["CFG", f"run.resume={checkpoint_of_another_model(t)}"],
      r"was saved for another model than model\.path \(vocab_size 151936 vs 19, hidden_size 896 vs 128.*resume with the model it was trained from"),
+    # a state async-april never writes, its manifest made to match: one line naming the file, not a traceback after Ray started
+    ("resume-crafted-class", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: crafted(d, **{'$dc': 'os:system'}))}"],
+     r"other/checkpoints/step_00000003/store\.json: state names dataclass 'os:system', which is not in .*ALLOWED_DATACLASSES; async-april never writes that"),
+    ("resume-crafted-field", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: (first_sample(d)['fields'].update(extend=1), d)[1])}"],
+     r"store\.json: state gives async_april\.trajectory:Sample fields it does not have: 'extend'"),
+    ("resume-malformed-tag", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: {**d, 'tree': {**d['tree'], 'version': {'$np': 'no-such-dtype', 'v': 1}}})}"],
+     r"store\.json: not a state this code wrote \(TypeError"),
+    ("resume-store-entry-unknown", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: {**d, 'tree': {**d['tree'], 'dataset': []}})}"],
+     r"store\.json: the store state holds entries a store does not have: dataset"),
+    ("resume-store-entry-wrong-type", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: {**d, 'tree': {**d['tree'], 'cursor': 'ten'}})}"],
+     r"store\.json: the store state's 'cursor' is a str, not a int"),
+    ("resume-store-accounting", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: {**d, 'tree': {**d['tree'], 'cursor': 40}})}"],
+     r"store\.json: rollout accounting broken: .*missing \[2, 3"),
+    ("resume-controller-counts", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda c: {**c, 'step': 'three'}, 'controller.json')}"],
+     r"controller\.json lacks integer counts >= 0 for step; async-april never writes that"),
     # --- data
     ("data-missing", lambda t: ["CFG", "data.source=/nonexistent/d.jsonl"], r"data\.source '/nonexistent/d\.jsonl' does not exist"),
     ("data-unsupported-type", lambda t: ["CFG", data(t, "d.csv", "prompt\n1=\n")], r"unsupported file type '\.csv'"),
@@ -211,7 +260,7 @@ def test_bad_input_exits_2_with_one_line_before_ray(case, argv, pattern, tmp_pat
 
 
 CHECK_CASES = ["yaml-syntax", "model-missing", "resume-missing", "data-missing", "data-wrong-column",
-               "reward-unknown-name", "reward-function-missing", "run-dir-used", "resume-another-model"]
+               "reward-unknown-name", "reward-function-missing", "run-dir-used", "resume-another-model", "resume-crafted-class"]
 
 
 @pytest.mark.parametrize("case", CHECK_CASES)
@@ -284,3 +333,27 @@ def test_the_entry_points_behave_alike(tmp_path):
     if script.exists():
         proc = subprocess.run([str(script), "--version"], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.startswith("async-april ")
+
+
+def test_check_lists_every_problem_it_finds_and_train_stops_at_the_first(tmp_path, capsys, monkeypatch, no_ray):
+    """A recipe (logging.wandb=online) without a W&B key and with its hub model not cached: `check` names
+    both, one `error:` line each, says which checks it skipped because they need the model, and exits 2
+    (before, it stopped at the key and never said the model was missing). `train` stops at the first."""
+    recipe = str(REPO / "configs" / "recipes" / "qwen3-4b_dapo_1gpu_async.yaml")
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = run_cli(["check", recipe, f"run.dir={tmp_path}/run"], capsys, monkeypatch, tmp_path)
+    assert rc == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, err
+    assert errors[0].startswith("error: logging.wandb=online needs a W&B API key")
+    assert errors[1].startswith("error: model.path 'Qwen/Qwen3-4B' is not in the Hugging Face cache")
+    skipped = next(line for line in err.splitlines() if "not checked, since what they need failed" in line)
+    for what in ("model files", "tokenizer", "data", "memory plan"):
+        assert what in skipped, skipped
+    assert err.splitlines()[-1] == errors[-1]  # the problems come last
+    rc, _, err = run_cli(["train", recipe, f"run.dir={tmp_path}/run"], capsys, monkeypatch, tmp_path)
+    assert_one_error_line(rc, err, r"logging\.wandb=online needs a W&B API key")

@@ -13,7 +13,9 @@
 
 One error path: bad input of any kind (config, YAML, data, model, reward,
 checkpoint, run directory, plot input) is a UserError (async_april/errors.py),
-printed as one line `error: ...` with exit status 2 and no traceback. A run
+printed as one line `error: ...` with exit status 2 and no traceback. `check` lists
+every problem it finds, one such line each (async_april/launch/resolve.py `Checks`);
+`train` stops at the first. A run
 stopped by SIGINT/SIGTERM exits 130/143 after saying where its checkpoint is.
 """
 
@@ -44,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in (("train", "run training: resolves the config (as `check` does), then starts Ray and the actors"),
                        ("check", "resolve a config against the world -- run dir, model, tokenizer, data (first rows), "
-                                 "rewards, resume target, the learner's memory plan per rank -- and print it (refusing a learner that "
-                                 "cannot fit its GPU); starts no Ray and no actor, but imports the "
+                                 "rewards, resume target, the learner's memory plan per rank -- and print it, or list every problem "
+                                 "found, one line each (refusing a learner that cannot fit its GPU); starts no Ray and no actor, but imports the "
                                  "reward and environment modules the config names, so their import-time code runs")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/tiny_cpu.yaml")
@@ -72,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[async-april] %(levelname)s %(name)s: %(message)s")
     try:
         return _run(args, rest)
-    except UserError as e:
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+    except UserError as e:  # one line per problem (`check` lists all it found: errors.UserErrors)
+        for note in getattr(e, "notes", ()):
+            print(f"[async-april] {one_line(note)}", file=sys.stderr)
+        for problem in getattr(e, "problems", [str(e)]):
+            print(f"error: {one_line(problem)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted (no checkpoint saved)", file=sys.stderr)
@@ -111,33 +116,16 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         import yaml
 
         from async_april.console import say
-        from async_april.launch.resolve import CHECK_ROWS, ResourceError, check_gpu_resources, cluster_layout_if_reachable, gpus_needed, resolve
+        from async_april.launch.memory_check import show_and_check_memory
+        from async_april.launch.resolve import CHECK_ROWS, Checks, check_cluster, resolve
 
-        r = resolve(cfg, sample_rows=CHECK_ROWS)
-        for line in r.describe():
+        checks = Checks(collect=True)  # every independent problem, one line each (train stops at the first)
+        r = resolve(cfg, sample_rows=CHECK_ROWS, checks=checks)
+        for line in r.describe() if r is not None else ():
             say(line)
-        from learners.lora import describe_counts, parameter_counts
-
-        from async_april.launch.memory_check import check_memory, learner_on_gpu, model_dims, plan, plan_inputs
-
-        counts = parameter_counts(r.model_path, cfg.learner.lora)
-        say(describe_counts(counts, gpu_bf16=learner_on_gpu(cfg)))
-        dims = model_dims(r.model_path, counts)
-        for line in plan(dims, plan_inputs(cfg)).table():
-            say(line)
-        check_memory(cfg, dims)  # refuses a learner that cannot fit, naming the keys to change
-        live = cluster_layout_if_reachable(cfg)
-        if live is None:
-            say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")
-        else:
-            layout, gpus = live
-            for line in layout.lines():
-                say(line)
-            check_gpu_resources(cfg, gpus)
-            if layout.problems:
-                raise ResourceError("the layout does not fit the cluster: " + "; ".join(layout.problems) +
-                                    "; add nodes, lower learner.world_size / rollout.num_actors, or change placement.*")
-            say(f"resources: {gpus_needed(cfg):g} GPUs reserved of the cluster's {gpus:g}; the layout fits")
+        checks.run("memory plan", lambda: show_and_check_memory(cfg, checks.results["model"]), needs=("model files",))
+        checks.run("resources", check_cluster, cfg)
+        checks.finish()
         print(yaml.safe_dump(r.cfg.to_yaml_dict(), sort_keys=False))
         say(f"ok: {args.config} resolves (data: first {CHECK_ROWS} rows checked)")
         return 0

@@ -18,7 +18,7 @@ from async_april.memory_plan import (
     refusal,
 )
 
-__all__ = ["MemoryPlanError", "check_memory", "learner_on_gpu", "model_dims", "plan", "plan_inputs"]
+__all__ = ["MemoryPlanError", "check_memory", "learner_on_gpu", "model_dims", "plan", "plan_inputs", "show_and_check_memory"]
 
 
 class MemoryPlanError(UserError, ValueError):
@@ -74,3 +74,16 @@ def check_memory(cfg: Config, dims: ModelDims) -> Plan:
     if message is not None:
         raise MemoryPlanError(message)
     return plan(dims, inputs)
+
+
+def show_and_check_memory(cfg: Config, model_path: str | Path) -> Plan:
+    """`check`'s memory step: the parameter counts and the per-rank table printed, then `check_memory`'s refusal."""
+    from async_april.console import say
+    from learners.lora import describe_counts, parameter_counts
+
+    counts = parameter_counts(model_path, cfg.learner.lora)
+    say(describe_counts(counts, gpu_bf16=learner_on_gpu(cfg)))
+    dims = model_dims(model_path, counts)
+    for line in plan(dims, plan_inputs(cfg)).table():
+        say(line)
+    return check_memory(cfg, dims)  # refuses a learner that cannot fit, naming the keys to change

@@ -16,6 +16,8 @@
       data         data.source read, columns mapped, prompts templated and tokenised (`check`: the
                    first rows only), and every reward callable with this dataset's extra columns
       eval         each eval.datasets entry read the same way, training prompts left out
+      resume state the checkpoint's controller.json and store state read back into a store of this
+                   config, its accounting checked (a crafted or edited state: one CheckpointError)
 
 `check_gpu_resources` compares the GPUs a config asks for with a cluster's: `check` calls it when
 a Ray address is given (with the per-node layout fit of async_april/launch/layout.py),
@@ -23,8 +25,11 @@ a Ray address is given (with the per-node layout fit of async_april/launch/layou
 
 Everything here runs on the driver before Ray or any actor starts, cheapest checks
 first; every failure is a UserError (async_april/errors.py) naming the key, file
-or row and the fix. Nothing is written: `train` then prepares the run directory
-(async_april/rundir.py) and starts the run with what this returns.
+or row and the fix. `train` stops at the first; `check` runs each check through a
+collecting `Checks` and lists every problem, one line each, skipping (and naming)
+only the checks that need one that failed. Nothing is written: `train` then
+prepares the run directory (async_april/rundir.py) and starts the run with what
+this returns.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from async_april import rundir
-from async_april.checkpointing import Checkpoint, check_model_fits, model_shape, resolve_resume
+from async_april.checkpointing import (NOT_WRITTEN_BY_US, Checkpoint, CheckpointError, check_model_fits, model_shape,
+                                       resolve_resume)
 from async_april.config import Config
 from async_april.data import PromptDataset, load_prompts
-from async_april.errors import ModelError, UserError
+from async_april.errors import ModelError, UserError, UserErrors, one_line
 from async_april.tracking import check_wandb_key
 from async_april.weight_files import check_model_dir
 from async_april.evaluation import EvalSet, load_eval_sets
@@ -82,42 +88,116 @@ class Resolved:
                                                                  if s.in_training else "") for s in self.eval_sets]
 
 
-def resolve(cfg: Config, sample_rows: int | None = None) -> Resolved:
-    """Check `cfg` against the world (see the module docstring); `sample_rows` limits the data read."""
-    from async_april.models.paths import resolve_model_path
+class Checks:
+    """The checks of one resolution, and what to do with a problem: `train` stops at the first (the
+    UserError is raised as it comes); `check` (`collect=True`) runs every check it can, records each
+    problem, and `finish()` raises them together (errors.UserErrors: one `error:` line each).
 
-    run_dir = rundir.absolute_run_dir(cfg)
+    A check names the checks it needs (`needs=`): when one of them failed or was skipped, it is
+    skipped too, and `finish()` says so (no model means no tokenizer, so no data to read), since its
+    verdict would mean nothing. Results are kept by name (`results`) for later checks to use.
+
+        checks.run("model revision", pin_revision, cfg, needs=("model",))    # joins like any other
+    """
+
+    def __init__(self, collect: bool = False) -> None:
+        self.collect = collect
+        self.problems: list[str] = []
+        self.skipped: list[str] = []
+        self.results: dict[str, Any] = {}
+        self.failed: set[str] = set()
+        """Checks that raised or were skipped (what their dependents need)."""
+
+    def run(self, name: str, fn, *args, needs: tuple[str, ...] = (), **kwargs) -> Any:
+        """`fn(*args, **kwargs)`, or None when it raised a UserError (collecting) or a check it needs failed."""
+        if any(n in self.failed for n in needs):
+            self.failed.add(name)
+            self.skipped.append(name)
+            return None
+        try:
+            value = fn(*args, **kwargs)
+        except UserError as e:
+            if not self.collect:
+                raise
+            self.failed.add(name)
+            self.problems.append(one_line(str(e)))
+            return None
+        self.results[name] = value
+        return value
+
+    def finish(self) -> None:
+        """Raise every problem recorded, one per line; nothing when there was none."""
+        if self.problems:
+            notes = [f"not checked, since what they need failed: {', '.join(self.skipped)}"] if self.skipped else []
+            raise UserErrors(self.problems, notes)
+
+
+def resolve(cfg: Config, sample_rows: int | None = None, checks: Checks | None = None) -> Resolved | None:
+    """Check `cfg` against the world (see the module docstring); `sample_rows` limits the data read.
+    Without `checks` the first problem raises; with collecting `checks` (`async-april check`) each one is
+    recorded there, and None is returned when there was any."""
+    c = checks if checks is not None else Checks()
     cfg = cfg.model_copy(deep=True)
-    cfg.run.dir = str(run_dir)
-    state = rundir.inspect_run_dir(run_dir)
-    resume = resolve_resume(cfg, run_dir)
+    run_dir = c.run("run dir", rundir.absolute_run_dir, cfg)
+    if run_dir is not None:
+        cfg.run.dir = str(run_dir)
+    state = c.run("run dir state", rundir.inspect_run_dir, run_dir, needs=("run dir",))
+    resume = c.run("resume", resolve_resume, cfg, run_dir, needs=("run dir",))
     if resume is not None and cfg.run.resume != "auto":
         cfg.run.resume = str(resume.path)
-    rundir.check_reuse(state, cfg)
-    check_engine_environment(cfg)
-    check_wandb_key(cfg)
-    rewards = {name: get_reward_fn(name) for name in cfg.reward.functions}
+    c.run("run dir reuse", rundir.check_reuse, state, cfg, needs=("run dir state", "resume"))
+    c.run("engine environment", check_engine_environment, cfg)
+    c.run("W&B key", check_wandb_key, cfg)
+    rewards = {name: fn for name in cfg.reward.functions if (fn := c.run(f"reward {name}", get_reward_fn, name)) is not None}
     imported = [f"{n.partition(':')[0]} (reward.functions)" for n in cfg.reward.functions if ":" in n]
-    try:
-        model_path = Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir)).absolute()
-    except (OSError, ValueError) as e:
-        raise ModelError(str(e) if str(e).startswith("model.path") else f"model.path {cfg.model.path!r}: {e}") from None
-    shape = model_shape(check_model_dir(model_path, cfg.model.path))
+    model_path = c.run("model", local_model_path, cfg)
+    shape = c.run("model files", lambda: model_shape(check_model_dir(model_path, cfg.model.path)), needs=("model",))
     if resume is not None:
-        check_model_fits(resume, shape)
-        check_lora_resume(cfg, resume, model_path)
-    tokenizer = load_tokenizer(model_path, cfg.model.path)
-    dataset = load_prompts(cfg, tokenizer, limit=sample_rows)
+        c.run("resume model", check_model_fits, resume, shape, needs=("model files",))
+        c.run("resume LoRA", check_lora_resume, cfg, resume, model_path, needs=("model",))
+    tokenizer = c.run("tokenizer", load_tokenizer, model_path, cfg.model.path, needs=("model files",))  # reads config.json
+    dataset = c.run("data", lambda: load_prompts(cfg, tokenizer, limit=sample_rows), needs=("tokenizer",))
+    if resume is not None:
+        c.run("resume state", check_resume_state, cfg, dataset, resume, needs=("data", "resume model"))
     for name, fn in rewards.items():
-        check_reward_signature(name, fn, dataset.rows[0].extra)
-    eval_sets = load_eval_sets(cfg, tokenizer, dataset, limit=sample_rows)
+        c.run(f"reward {name} on the data", lambda n=name, f=fn: check_reward_signature(n, f, dataset.rows[0].extra),
+              needs=("data",))
+    eval_sets = c.run("eval sets", lambda: load_eval_sets(cfg, tokenizer, dataset, limit=sample_rows), needs=("data",))
     if cfg.rollout.env is not None:  # imports the user's module and builds one instance with env_args
         from actors.agents.env import make_env
 
-        make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args)
+        c.run("rollout.env", lambda: make_env(cfg.rollout.env, tokenizer, cfg.rollout.agent.env_args), needs=("tokenizer",))
         if not cfg.rollout.env.startswith("builtin:"):
             imported.append(f"{cfg.rollout.env.partition(':')[0]} (rollout.env)")
+    if c.failed:
+        return None
     return Resolved(cfg, state, resume, model_path, shape, tokenizer, dataset, rewards, eval_sets, imported)
+
+
+def local_model_path(cfg: Config) -> Path:
+    """model.path as an absolute local directory (built, or found in the hub cache); ModelError if it is none."""
+    from async_april.models.paths import resolve_model_path
+
+    try:
+        return Path(resolve_model_path(cfg.model.path, cfg.model.cache_dir)).absolute()
+    except (OSError, ValueError) as e:
+        raise ModelError(str(e) if str(e).startswith("model.path") else f"model.path {cfg.model.path!r}: {e}") from None
+
+
+def check_resume_state(cfg: Config, dataset: PromptDataset, ck: Checkpoint) -> None:
+    """The resumed checkpoint's controller and store state read back as the restore will read them, into a
+    store of this config whose accounting must hold: CheckpointError naming the file otherwise, before
+    anything is written or started (a crafted state would else end in a traceback after Ray started)."""
+    from async_april.store import RolloutStore
+
+    ck.controller_state()
+    state = ck.store_state()
+    try:
+        store = RolloutStore(cfg, dataset)
+        store.load_state_dict(state)
+        store.check_accounting()
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as e:
+        raise CheckpointError(f"run.resume: {ck.path / 'store.json'}: {one_line(str(e), 300)}; {NOT_WRITTEN_BY_US}") from None
 
 
 def check_lora_resume(cfg: Config, resume: Checkpoint, model_path: Path) -> None:
@@ -209,6 +289,25 @@ def cluster_layout_if_reachable(cfg: Config):
     finally:
         if started:
             ray.shutdown()
+
+
+def check_cluster(cfg: Config) -> None:
+    """`check`'s resources step: against the Ray cluster run.ray_address / RAY_ADDRESS names (if any), the
+    GPUs reserved and the per-node layout fit, printed; ResourceError when they do not fit."""
+    from async_april.console import say
+
+    live = cluster_layout_if_reachable(cfg)
+    if live is None:
+        say(f"resources: {gpus_needed(cfg):g} GPUs reserved; no Ray cluster named (run.ray_address, RAY_ADDRESS), not checked")
+        return
+    layout, gpus = live
+    for line in layout.lines():
+        say(line)
+    check_gpu_resources(cfg, gpus)
+    if layout.problems:
+        raise ResourceError("the layout does not fit the cluster: " + "; ".join(layout.problems) +
+                            "; add nodes, lower learner.world_size / rollout.num_actors, or change placement.*")
+    say(f"resources: {gpus_needed(cfg):g} GPUs reserved of the cluster's {gpus:g}; the layout fits")
 
 
 RAY_CONNECT_TIMEOUT_S = 10.0
