@@ -179,18 +179,23 @@ def test_april_preset_resumes_and_trains_every_aborted_token(tmp_path):
 
 def test_auto_eta_raises_while_generation_is_the_bottleneck_and_admission_follows(tmp_path):
     """`async.max_staleness: auto` with a budget that always holds and a zero wait threshold: eta goes
-    up one per step to `async.auto.max`, every change is logged, and no token ever lags more than
+    up to `async.auto.max`, each raise once the eta in force had eta + 1 steps, every change is logged, and no token ever lags more than
     the eta in force when its group was admitted (the store checks its accounting every step)."""
     proc, run_dir = train_cli(tmp_path, mode_config(tmp_path, "async"), "run.steps=3", "async.max_staleness=auto",
                               "async.auto.max=2", "async.auto.min_ess=0.01", "async.auto.raise_wait_frac=0",
                               "async.auto.raise_after=1")
     rows = metrics(run_dir)
-    assert [r["async/eta"] for r in rows] == [1, 2, 2]  # the eta decided after each step
-    assert [r["async/eta_change"] for r in rows] == [1, 1, 0]
+    assert [r["async/eta"] for r in rows] == [1, 1, 2]  # the eta decided after each step (eta 1: 2 steps to judge it)
+    assert [r["async/eta_change"] for r in rows] == [1, 0, 1]
     assert "auto: raise eta 0 -> 1" in proc.stderr and "auto: raise eta 1 -> 2" in proc.stderr
     assert rows[0]["staleness/max"] == 0  # step 1's groups were admitted at eta 0
     assert max(r["staleness/max"] for r in rows) <= 2
     assert all(0 < r["mismatch/ess"] <= 1 + 1e-6 for r in rows)  # <= 1 by Cauchy-Schwarz, up to float rounding
+    from async_april.auto_staleness import TunerState
+    from async_april.checkpointing import CheckpointManager
+
+    saved = CheckpointManager(run_dir).latest_valid().controller_state()["async/tuner"]  # what a resume restores
+    assert TunerState.from_dict(saved) == TunerState(seen=True)  # raised after step 3: window and calm start again
 
 
 def test_async_preset_never_exceeds_eta(async_run_stopped_by_sigterm):

@@ -178,7 +178,7 @@ class AutoStalenessConfig(Section):
     raise_wait_frac: float = Field(0.1, ge=0.0, le=1.0)
     """Generation is the bottleneck when the learner waited for its batch (timing_s/rollout) at least this share of the summed step time (timing_s/step) of the last `raise_after` steps; only then does eta go up."""
     raise_after: int = Field(2, ge=1, le=1000)
-    """Steps since the last change, each within budget, over which the learner's wait is judged (a window that slides; it starts empty after every change); when they were bottlenecked on generation a setting goes up one step (eta first, then over-provisioning; lowered in reverse)."""
+    """Steps since the last change, each within budget, over which the learner's wait is judged (a window that slides; it starts empty after every change); when they were bottlenecked on generation a setting goes up one step (eta first, then over-provisioning; lowered in reverse), but not before eta + 1 steps (the regime in force trained) and, for a value that broke the budget n times before, raise_after x 2^n steps (back-off). After a lowering the budget is judged again only eta + 1 steps later."""
     over_provision_min: float = Field(1.0, ge=1.0, le=64.0)
     """Lowest `rollout.over_provision` that `auto` may choose; the run starts there."""
     over_provision_max: float = Field(4.0, ge=1.0, le=64.0)

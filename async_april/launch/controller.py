@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from async_april.auto_staleness import OffPolicyTuner, StepSignals, Window, wait_share
+from async_april.auto_staleness import OffPolicyTuner, StepSignals, TunerState, wait_share
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
@@ -231,11 +231,10 @@ class RunState:
     """The controller's own state: step, cumulative counters, where the last checkpoint is."""
 
     def __init__(self, cfg: Config, model_shape: dict, step: int = 0, bad_steps: int = 0, actor_restarts: int = 0,
-                 checkpoint: Path | None = None, raise_window: Window = ()):
+                 checkpoint: Path | None = None, tuner: TunerState = TunerState()):
         self.cfg, self.model_shape, self.step, self.bad_steps = cfg, model_shape, step, bad_steps
-        self.raise_window = raise_window
-        """`auto` settings: (wait_s, step_s) of the steps since the last change that the next raise is judged
-        on (async_april/auto_staleness.py; the settings themselves are the store's)."""
+        self.tuner = tuner
+        """`auto` settings: what the tuner remembers (async_april/auto_staleness.py; the settings are the store's)."""
         self.actor_restarts_before = actor_restarts
         self.last_checkpoint = checkpoint
         self.saved_step = step if checkpoint is not None else -1
@@ -257,7 +256,7 @@ class RunState:
         ray.get(store.call.remote("load_state_dict", ck.store_state()))
         c = ck.controller_state()
         return cls(cfg, model_shape, int(c["step"]), int(c["train/bad_steps"]), int(c["rollout/actor_restarts"]),
-                   checkpoint=ck.path, raise_window=tuple((float(w), float(t)) for w, t in c.get("async/raise_window", [])))
+                   checkpoint=ck.path, tuner=TunerState.from_dict(c.get("async/tuner", {"window": c.get("async/raise_window", [])})))
 
     def metrics(self, pool, version: int) -> dict[str, float]:
         return {"train/step": self.step, "train/policy_version": version, "train/bad_steps": self.bad_steps,
@@ -273,8 +272,10 @@ class RunState:
 
         now = {k.name: metrics[f"async/{k.name}"] for k in tuner.knobs}
         signals = StepSignals.from_metrics(metrics)
-        judged = tuner.judged(self.raise_window, signals)  # for the console line: the wait the decision saw
-        new, self.raise_window, decision = tuner.decide(now, self.raise_window, signals)
+        judged = tuner.judged(self.tuner.window, signals)  # for the console line: the wait the decision saw
+        new, self.tuner, decision = tuner.decide(now, self.tuner, signals)
+        if (warning := tuner.warning(self.tuner)) is not None:
+            say(warning)
         out = {}
         for name, value in new.items():
             if value != now[name]:
@@ -294,7 +295,7 @@ class RunState:
         ck = self.cfg.checkpoint
         controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
                       "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
-                      "time/elapsed_s": round(tracker.elapsed_s, 3), "async/raise_window": [list(x) for x in self.raise_window],
+                      "time/elapsed_s": round(tracker.elapsed_s, 3), "async/tuner": self.tuner.to_dict(),
                       "metrics_row": tracker.last_row,  # put back on resume if the crash tore it from metrics.jsonl
                       **(self.evaluator.schedule.state() if self.evaluator is not None else {})}
         path = CheckpointManager(self.cfg.run_dir, ck.keep, ck.verify).save(
