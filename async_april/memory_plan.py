@@ -10,9 +10,14 @@ What a rank holds, as learners/worker.py and learners/parallelize.py build it:
   gradients    fp32, sharded like the parameters (FSDP2 reduce-scatters into the fp32 shard): 4 B x P / world
   optimizer    torch.optim.AdamW's exp_avg and exp_avg_sq, fp32 like the parameters: 8 B x P / world
                learner.offload_optimizer (FSDP2 CPUOffloadPolicy) moves all three to host memory
-  gathered     the unsharded compute-dtype (bf16 on GPU, fp32 on CPU) copy FSDP2 all-gathers: the root
-               (embeddings, final norm, lm_head) for the whole forward and backward, plus the layer in
-               use, the one prefetched and the last one (never resharded), and their unsharded gradients
+  gathered     what FSDP2 holds unsharded, in the compute dtype c (bf16 on GPU, fp32 on CPU): the root
+               (embeddings, final norm, lm_head) and its gradient through forward and backward (2 root
+               units), and 4 layer units at the peak, the backward of layer i: its weights, its gradients,
+               layer i-1's weights (the default backward prefetch) and layer i+1's reduce-scatter input,
+               held until the next reduce-scatter (torch 2.13 _fsdp_param_group.py reduce_scatter_states,
+               reduce_scatter_max_input_buffers 1), in the reduce dtype, fp32 (_fsdp_collectives.py
+               foreach_reduce): c x (2 root + 3 layers) + 4 x layer bytes. (The last layer, never
+               resharded after forward, is the layer in use when backward starts.)
   activations  what autograd keeps for backward over one micro-batch of T tokens (T = the larger of
                learner.max_tokens_per_microbatch and the longest row, prompt + rollout.max_new_tokens:
                a longer row is trained alone); with activation checkpointing each layer keeps only its
@@ -20,6 +25,10 @@ What a rank holds, as learners/worker.py and learners/parallelize.py build it:
   logits       chunked (the learner's path, learners/chunked_logprobs.py): one chunk of CHUNK_POSITIONS
                positions at a time; full (the old path, for comparison): the [T, vocab] fp32 logits
                autograd keeps plus their gradient (8 B x T x vocab)
+  head grad    the chunked head's backward accumulates the lm_head gradient [vocab, hidden] in place in
+               fp32: with fp32 weights (CPU) that is the root's gradient itself (counted above); with bf16
+               weights an fp32 accumulator (4 B x vocab x hidden) beside it, plus one [VOCAB_SLICE, hidden]
+               bf16 product at a time (measured on CPU: tests/test_memory_plan.py)
   reserve      on GPU: the CUDA context and the caching allocator's fragmentation
 
 Colocated with SGLang (learner.gpus_per_rank < 1), the engine takes `mem_fraction_static` of the
@@ -38,6 +47,9 @@ GB = 1e9
 CHUNK_POSITIONS = 1024
 """Positions per chunk on the chunked logits path: learners/chunked_logprobs.py CHUNK_POSITIONS (a test
 keeps the two equal); forward and backward each hold one [chunk, vocab] fp32 block and its gradient."""
+VOCAB_SLICE = 8192
+"""Vocabulary rows per bf16 product the head's backward adds into its fp32 accumulator: learners/chunked_logprobs.py
+VOCAB_SLICE (a test keeps the two equal)."""
 CUDA_CONTEXT_GB = 1.0
 """The CUDA context and NCCL buffers of a rank, outside the caching allocator."""
 FRAGMENTATION = 0.10
@@ -173,21 +185,36 @@ def plan(m: ModelDims, s: PlanInputs) -> Plan:
     acts += m.hidden * tokens * (8 + c)  # the final norm and lm_head's input
     positions = tokens if s.logits_path == "full" else min(tokens, CHUNK_POSITIONS)
     logits = 8 * positions * m.vocab
-    gathered = c * (2 * m.root_params + 4 * m.layer_params)  # FSDP2 all-gathers into its own buffer at any world size
+    # FSDP2 all-gathers into its own buffer at any world size; the reduce-scatter input is fp32 (reduce dtype)
+    gathered = c * (2 * m.root_params + 3 * m.layer_params) + 4 * m.layer_params
+    head = head_grad_bytes(m.vocab, m.hidden, c) if s.logits_path == "chunked" else 0.0  # full: one bf16 matmul
     rows = [
         ("parameters", state["parameters"] + frozen_bytes,
          "offloaded" if s.offload_optimizer else f"fp32 master / {ws} ranks" + (", frozen base bf16" if frozen and s.on_gpu else "")),
         ("gradients", state["gradients"], "offloaded" if s.offload_optimizer else f"fp32 / {ws} ranks"),
         ("optimizer", state["optimizer"], "offloaded" if s.offload_optimizer else f"AdamW m + v fp32 / {ws} ranks"),
-        ("gathered weights", gathered, f"unsharded {'bf16' if s.on_gpu else 'fp32'} root + 3 layers, and their grads"),
+        ("gathered weights", gathered, f"unsharded {'bf16' if s.on_gpu else 'fp32'} root + its grad, 4 layer units "
+                                       "(in use, its grads, prefetched; fp32 reduce-scatter input)"),
         ("activations", acts, acts_how),
         ("logits", logits, f"{s.logits_path}: {positions} positions x {m.vocab} vocab, fp32 + grad"),
+        ("head grad", head, f"fp32 accumulator {m.vocab} x {m.hidden} + one {VOCAB_SLICE}-row bf16 product" if head
+         else "none: " + ("fp32, accumulated in the root's own gradient (above)" if s.logits_path == "chunked"
+                          else "the full path's one product is the root's gradient (above)")),
     ]
     rows = [(name, b / GB, how) for name, b, how in rows]
     if s.on_gpu:
         rows.append(("CUDA reserve", CUDA_CONTEXT_GB + FRAGMENTATION * sum(gb for _, gb, _ in rows),
                      f"context {CUDA_CONTEXT_GB:g} GB + {FRAGMENTATION:.0%} fragmentation"))
     return Plan(tuple(rows), host / GB, learner_budget_gb(s))
+
+
+def head_grad_bytes(vocab: int, hidden: int, compute_bytes: int) -> float:
+    """What the chunked head's backward holds beyond the lm_head's own gradient (learners/chunked_logprobs.py
+    `_accumulate_weight_grad`): nothing in fp32; with narrower weights, the fp32 [vocab, hidden] accumulator
+    and one [VOCAB_SLICE, hidden] product in the weights' dtype."""
+    if compute_bytes >= 4:
+        return 0.0
+    return 4.0 * vocab * hidden + compute_bytes * min(vocab, VOCAB_SLICE) * hidden
 
 
 def learner_budget_gb(s: PlanInputs) -> float | None:

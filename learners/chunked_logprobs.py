@@ -5,10 +5,17 @@
                                       logprob = z[target] - logsumexp(z),  entropy = lse - sum(p z)
       saved for backward: hidden, weight, targets, lse [N]    (no [N, V] tensor)
       backward, per chunk: recompute z, p = exp(z - lse)
-                           dz = g (onehot(target) - p) / T;  dh = dz W,  dW += dz^T h
+                           dz = g (onehot(target) - p) / T;  dh = dz W,  dW += dz^T h   (in place)
 
 Peak memory is ~ C x V fp32 temporaries instead of the N x V logits plus their
 gradient (issue 28: 15.8 GB at 8k positions x 152k vocabulary on the old path).
+The weight's gradient is accumulated in place into ONE [V, H] tensor in the compute
+dtype (`_accumulate_weight_grad`): in fp32 weights that tensor is the gradient returned,
+so the backward adds nothing of [V, H] size; with bf16 weights (GPU) it is an fp32
+accumulator beside the bf16 gradient returned, plus one [VOCAB_SLICE, H] product at a
+time. Before issue 38 each chunk also made a [V, H] product and its fp32 copy:
+8 bytes x V x H beyond the weights in fp32 (measured 8.7), 10 in bf16 (10.5), against
+4 and 6 now (tests/test_memory_plan.py, which async_april/memory_plan.py counts).
 The maths is `learners/logprobs.py`'s `token_logprobs`/`token_entropy` on the
 logits `h @ W^T`, in fp32 (or the inputs' dtype when wider, so float64 tests are
 exact).
@@ -32,6 +39,9 @@ from torch import nn
 
 CHUNK_POSITIONS = 1024
 """Positions per chunk: the fp32 [chunk, vocab] temporaries (0.6 GB at a 152k vocabulary)."""
+VOCAB_SLICE = 8192
+"""Vocabulary rows per product of dz^T h when the weight is narrower than fp32 (bf16): the [slice, hidden]
+temporary added into the fp32 accumulator (42 MB at hidden 2560), instead of a whole [vocab, hidden] one."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,10 +103,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 grad_h[s : s + chunk] = dz @ weight
             if want_w:
-                grad_w += (dz.t() @ h).to(cdt)
+                _accumulate_weight_grad(grad_w, dz, h)
             del dz
         grad_h = None if grad_h is None else grad_h.reshape(ctx.hidden_shape)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def _accumulate_weight_grad(grad_w: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, vocab_slice: int = VOCAB_SLICE) -> None:
+    """grad_w += dz^T h in place: grad_w [V, H] in the compute dtype, dz [C, V] and h [C, H] in the inputs'.
+    Same dtypes: one addmm_ into grad_w, no temporary. A narrower dz, h (bf16; addmm_ wants one dtype and
+    torch 2.13's fp32-output addmm is CUDA-only): the product of `vocab_slice` rows at a time in that dtype,
+    as before, added into grad_w's rows in place (the cast happens inside the add)."""
+    if dz.dtype == grad_w.dtype:
+        grad_w.addmm_(dz.t(), h)
+        return
+    for v in range(0, grad_w.shape[0], vocab_slice):
+        grad_w[v : v + vocab_slice].add_(dz[:, v : v + vocab_slice].t() @ h)
 
 
 def chunked_logprobs(

@@ -58,6 +58,29 @@ def test_plan_is_within_20_percent_of_a_real_learner_steps_peak(tiny):
     assert abs(planned - measured) <= 0.2 * measured, f"plan {planned:.3f} GB, measured {measured:.3f} GB"
 
 
+@pytest.mark.parametrize("dtype, c", [("float32", 4), ("bfloat16", 2)])
+def test_the_head_backward_holds_what_the_plan_counts(dtype, c):
+    """tests/memory_probe.py `head`: the chunked head's backward alone at vocab 32,768 x hidden 512 (one [V, H] fp32
+    tensor is 67 MB), peak RSS (VmHWM) over the RSS before it. It holds the weight's gradient (c bytes x V x H,
+    the plan's root gradient), the plan's `head grad` row (nothing in fp32; the fp32 accumulator and one
+    VOCAB_SLICE product in bf16) and its `logits` row (8 bytes x chunk x V). Before issue 38 each chunk added a
+    [V, H] product and its fp32 copy: 8.7 and 10.5 bytes x V x H measured, against the 5.0 and 7.5 counted."""
+    from async_april.memory_plan import head_grad_bytes
+
+    vocab, hidden, positions, chunk = 32768, 512, 256, 64
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "memory_probe.py"), "head", str(vocab), str(hidden),
+                           str(positions), str(chunk), dtype],
+                          env={**env(), "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = m["peak"] - m["before"]
+    held = c * vocab * hidden + head_grad_bytes(vocab, hidden, c)  # the gradient returned, and what the plan adds
+    counted = held + 8 * chunk * vocab + 4 * positions * hidden  # + the logits row's chunk and grad_h
+    assert 0.95 * held <= measured <= 1.1 * counted, f"{measured / (vocab * hidden):.2f} bytes x V x H measured, " \
+                                                     f"{counted / (vocab * hidden):.2f} counted"
+
+
 FRAGMENTS = """
 import sys, torch
 from async_april.config import config_from_dict
@@ -152,6 +175,7 @@ def test_the_plans_logits_chunk_is_the_learners():
     from learners import chunked_logprobs
 
     assert memory_plan.CHUNK_POSITIONS == chunked_logprobs.CHUNK_POSITIONS
+    assert memory_plan.VOCAB_SLICE == chunked_logprobs.VOCAB_SLICE
     assert plan_inputs(load_config(REPO / "configs" / "tiny_cpu.yaml")).logits_path == "chunked"
 
 

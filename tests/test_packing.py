@@ -48,6 +48,24 @@ def test_chunked_logprobs_equal_full_logits_in_values_and_gradients(temperature)
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 
 
+def test_the_head_accumulates_a_narrower_weight_gradient_slice_by_slice_in_place():
+    """bf16 weights (GPU): dz^T h is added into the fp32 accumulator VOCAB_SLICE rows at a time; the result is
+    the one [V, H] product of before, cast to fp32 (learners/chunked_logprobs.py `_accumulate_weight_grad`)."""
+    from learners.chunked_logprobs import _accumulate_weight_grad
+
+    g = torch.Generator().manual_seed(0)
+    dz, h = torch.randn(7, 23, generator=g).bfloat16(), torch.randn(7, 8, generator=g).bfloat16()
+    start = torch.randn(23, 8, generator=g)
+    acc = start.clone()
+    _accumulate_weight_grad(acc, dz, h, vocab_slice=5)  # a ragged last slice
+    torch.testing.assert_close(acc, start + (dz.t() @ h).float(), atol=0, rtol=0)
+    acc64, dz64, h64 = start.double(), dz.double(), h.double()
+    before = acc64.data_ptr()
+    _accumulate_weight_grad(acc64, dz64, h64)  # same dtypes: one addmm_ into the accumulator itself
+    assert acc64.data_ptr() == before
+    torch.testing.assert_close(acc64, start.double() + dz64.t() @ h64, atol=TOL, rtol=0)
+
+
 def tiny_model(path: str, dtype=torch.float64, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
