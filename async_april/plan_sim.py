@@ -8,7 +8,8 @@ sleeps, so a run of many minutes of GPU time takes a fraction of a second.
     engines   each leases up to `concurrency` samples (in blocks, as a generation actor does),
               decodes them with a batch cost `step_s(running, batch_tokens, prefill_tokens)`
               (the simulated engine's latency model) and pushes them back when they end
-    learner   takes a batch when `try_get_batch` gives one, trains for `train_s(tokens)`,
+    learner   takes a batch when `try_get_batch` gives one, trains for `train_s(tokens)` (its rows'
+              prompt + response tokens),
               then every engine loads the new weights (`update_s`; `interrupt` aborts and
               re-prefills what was running, `drain` finishes it first, `continue` keeps it),
               and the store's version moves on
@@ -127,7 +128,7 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
     host = 1.0
     """The engines' and learner's cost multiplier now: shared_host_slowdown while both run."""
     starting: int | None = None
-    """Tokens of the batch just taken, until its step's end time is set."""
+    """Prompt + response tokens of the batch just taken, until its step's end time is set."""
     batch_staleness: tuple[float, int] = (0.0, 0)
     out = SimResult([], [], 0, [], 0, 0.0, 0, [])
     wait_from, tried = 0.0, None
@@ -248,10 +249,12 @@ def simulate(cfg: Config, *, steps: int, engines: int, step_s: Callable[[int, in
                         e.t = max(e.t, now)
                 toks = [s.model_versions for g in batch for s in g.samples]
                 batch_tokens = sum(len(v) for v in toks)
+                # the learner's cost runs over whole rows: prompt + response tokens
+                learner_tokens = sum(len(s.prompt_ids) + s.num_tokens for g in batch for s in g.samples)
                 lags = np.concatenate(toks) if toks else np.zeros(0, np.int64)
                 lag = store.version - lags
                 batch_staleness = (float(lag.mean()) if len(lag) else 0.0, int(lag.max()) if len(lag) else 0)
-                starting = batch_tokens  # the step starts once the engines have leased what admission allows
+                starting = learner_tokens  # the step starts once the engines have leased what admission allows
                 continue
         t_next = min([learner_done] + [next_event(e) for e in pool])
         if t_next == math.inf:

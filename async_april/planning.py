@@ -3,8 +3,15 @@
 Pure logic (no Ray, no engine): `async_april/plan_sim.py` simulates each setting and
 `async_april/launch/plan_command.py` (`async-april plan`) wires both to a config.
 
-    modelled learner   train_s(tokens) = 6 * params * tokens / (learner_gpus * peak_flops * mfu)
-                       (forward + backward of a dense model; tokens = the batch's response tokens)
+    modelled learner   train_s(tokens) = flops per token * tokens / (learner_gpus * peak_flops * mfu)
+                       tokens = the batch's prompt + response tokens (the learner runs whole rows);
+                       flops per token = 6 x trained params (forward + backward of a dense model)
+                       + 4 x frozen params (a LoRA base: forward and input gradients, no weight gradients)
+                       + 2 x all params per extra no-grad forward (the proximal policy's, when the
+                       correction needs it: learners/update.py needs_proximal_forward; the KL
+                       reference's, when algorithm.kl_coef > 0)
+    a CPU run          (torch engine, learner on CPU) the same model with costs measured on CPU cores
+                       (`CpuCalibration`): splits of cores, not GPUs
     analytic ceiling   (gen + train) / max(gen, train): the speed-up over sync that perfect
                        overlap of generation and training could give, where gen is one batch's
                        tokens at the engines' full-concurrency rate and train the step above
@@ -28,23 +35,55 @@ class LearnerModel:
     params: float
     """Trained parameters (all of them for full fine-tuning)."""
     peak_flops: float = H100_BF16_FLOPS
-    """Per GPU, FLOP/s."""
+    """Per GPU (a CPU run: per core), FLOP/s."""
     mfu: float = DEFAULT_MFU
+    frozen: float = 0.0
+    """Parameters that are not trained but run (a LoRA base)."""
+    extra_forwards: int = 0
+    """No-grad forwards per step beside the training one: the proximal policy's, the KL reference's."""
 
     def __post_init__(self) -> None:
-        if self.params <= 0 or self.peak_flops <= 0 or not 0 < self.mfu <= 1:
+        if self.params <= 0 or self.peak_flops <= 0 or not 0 < self.mfu <= 1 or self.frozen < 0 or self.extra_forwards < 0:
             raise UserError(f"learner model needs params > 0, peak FLOP/s > 0 and 0 < MFU <= 1 (got {self}); "
                             "fix --params, --peak-tflops or --mfu")
 
+    @property
+    def flops_per_token(self) -> float:
+        return 6.0 * self.params + 4.0 * self.frozen + 2.0 * (self.params + self.frozen) * self.extra_forwards
+
     def s_per_token(self, gpus: int) -> float:
-        return 6.0 * self.params / (gpus * self.peak_flops * self.mfu)
+        """Seconds per prompt or response token of a step on `gpus` devices."""
+        return self.flops_per_token / (gpus * self.peak_flops * self.mfu)
 
     def step_s(self, tokens: int, gpus: int) -> float:
+        """A step over `tokens` prompt + response tokens."""
         return tokens * self.s_per_token(gpus)
 
-    def describe(self) -> str:
-        return (f"learner model: 6 x {self.params:.3g} params x tokens / (GPUs x {self.peak_flops / 1e12:g} TFLOP/s peak "
-                f"x MFU {self.mfu:g}) (override with --params, --peak-tflops, --mfu)")
+    def describe(self, device: str = "GPU") -> str:
+        terms = [f"6 x {self.params:.3g} trained"] + ([f"4 x {self.frozen:.3g} frozen"] if self.frozen else []) + (
+            [f"2 x {self.params + self.frozen:.3g} x {self.extra_forwards} extra forward(s)"] if self.extra_forwards else [])
+        return (f"learner model: ({' + '.join(terms)}) params x (prompt + response) tokens / ({device}s x "
+                f"{self.peak_flops / 1e12:.3g} TFLOP/s peak x MFU {self.mfu:g}) (override with --params, --peak-tflops, --mfu)")
+
+
+@dataclass(frozen=True)
+class CpuCalibration:
+    """A CPU run's costs (torch engine and learner on one core each of a 2-core machine, the tiny model of
+    1.05M parameters), measured by benchmarks/plan_accuracy.py --tiny (benchmarks/results/plan_accuracy_tiny.json
+    `calibration`, docs/benchmarks.md "Capacity planner"). A CPU config's plan scales them by its parameters."""
+
+    params: float = 1.05e6
+    engine_a: float = 1.78e-3
+    """Seconds per decode step (fitted a of a + b x running, from the engine's steady state at concurrency 16 and 64)."""
+    engine_b: float = 3.96e-4
+    """Seconds per decode step per running request."""
+    update_s: float = 0.0456
+    """Per step: the weight load and the controller's own work (the sync run's step minus wait and train)."""
+    learner_flops: float = 2.32e10
+    """6 x params x (prompt + response) tokens per second of timing_s/train: 0.476 ms per response token of mean
+    9.25 with 7-token prompts (the sync run's median), i.e. 0.271 ms per learner token."""
+    shared_host_slowdown: float = 1.23
+    """A learner step beside generation over one without (0.59 / 0.48 ms per token): the cores share one machine."""
 
 
 def ceiling(gen_s: float, train_s: float) -> float:
@@ -159,8 +198,8 @@ def table(rows: list[Row], pick: Row) -> str:
     return "\n".join(lines)
 
 
-def recommendation(pick: Row) -> list[str]:
+def recommendation(pick: Row, device: str = "GPU") -> list[str]:
     s = pick.setting
-    return [(f"recommended: {s.mode} on {s.rollout_gpus} rollout GPU(s) and {s.learner_gpus} learner GPU(s), "
+    return [(f"recommended: {s.mode} on {s.rollout_gpus} rollout {device}(s) and {s.learner_gpus} learner {device}(s), "
             f"{pick.useful_tokens_per_s:.4g} useful tokens/s ({pick.vs_sync:.2f}x sync), mean staleness {pick.staleness_mean:.2f}"),
             f"  config: defaults: [presets/{s.mode}.yaml]; {' '.join(s.overrides)}"]

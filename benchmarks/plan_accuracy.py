@@ -55,17 +55,19 @@ def run_with(cfg, learner_factory=None, on_step=None) -> list[dict]:
 def bench_tiny(steps: int, tmp: Path) -> dict:
     from actors.engines.simulated import LatencyModel
 
-    lens, prompts = [], []
+    lens, prompts, rows_tokens = [], [], []
 
     def collect(step, batch, learner):
         lens.extend(int(x) for x in batch.response_lens)
         prompts.extend(int(x) for x in batch.prompt_lens)
+        rows_tokens.append(int(sum(batch.response_lens) + sum(batch.prompt_lens)))  # what the planner's learner costs
 
     over = [f"run.steps={steps}", "rollout.concurrency=64"]
     progress("tiny: sync (calibration and measurement)")
     sync_rows = run_with(mode_config("sync", tmp, over), on_step=collect)
-    train = [r["timing_s/train"] / r["rollout/tokens"] for r in sync_rows[WARMUP:]]
-    s_per_token = statistics.median(train)
+    per_response = statistics.median(r["timing_s/train"] / r["rollout/tokens"] for r in sync_rows[WARMUP:])
+    # The planner costs a step by its rows' prompt + response tokens (async_april/planning.py LearnerModel)
+    s_per_token = statistics.median(r["timing_s/train"] / n for r, n in zip(sync_rows[WARMUP:], rows_tokens[WARMUP:]))
     hist = {str(k): lens.count(k) for k in sorted(set(lens))}
     hist_path = RESULTS / "plan_tiny_lengths.json"
     hist_path.write_text(json.dumps(hist))
@@ -87,7 +89,7 @@ def bench_tiny(steps: int, tmp: Path) -> dict:
     overlap_rows = run_with(mode_config("async", tmp, [f"run.steps={CALIBRATION_STEPS}", *over[1:], f"async.max_staleness={eta}",
                                                        f"rollout.over_provision={op:g}"]))
     overlapped = statistics.median(r["timing_s/train"] / r["rollout/tokens"] for r in overlap_rows[WARMUP:])
-    slowdown = max(1.0, overlapped / s_per_token)
+    slowdown = max(1.0, overlapped / per_response)
     latency = LatencyModel(a=a, b=max(0.0, b), c=0.0, prefill_s_per_token=0.0, update_s=update_s)
     params = 1.0e6
     learner = LearnerModel(params, CPU_PEAK, 6 * params / (s_per_token * CPU_PEAK))
@@ -111,6 +113,7 @@ def bench_tiny(steps: int, tmp: Path) -> dict:
         out.append({"workload": "tiny", "label": label, "setting": row.setting.__dict__, "predicted": row.useful_tokens_per_s,
                     "measured": m, "error": row.useful_tokens_per_s / m - 1})
     return {"rows": out, "calibration": {"latency": latency.__dict__, "learner_s_per_token": s_per_token,
+                                         "learner_s_per_response_token": per_response,
                                          "learner_s_per_token_beside_generation": overlapped, "shared_host_slowdown": slowdown,
                                          "learner_mfu_at_1tflops": learner.mfu, "engine_tps64": tps64, "engine_tps16": tps16,
                                          "prompt_tokens": prompt_tokens, "lengths": str(hist_path)}}

@@ -41,6 +41,28 @@ def test_learner_model_is_six_params_tokens_over_flops():
         LearnerModel(1e9, mfu=1.5)
 
 
+def test_learner_cost_counts_frozen_params_and_extra_forwards():
+    """Issue 38: 6 x trained params per token, + 4 x frozen (a LoRA base: forward and input gradients), + 2 x
+    all params per no-grad forward beside the training one; the tokens are the rows' prompt + response."""
+    m = LearnerModel(4e9, peak_flops=1e15, mfu=0.5, frozen=1e9, extra_forwards=2)
+    assert m.flops_per_token == 6 * 4e9 + 4 * 1e9 + 2 * 5e9 * 2
+    assert m.step_s(1000, gpus=2) == pytest.approx(1000 * m.flops_per_token / (2 * 1e15 * 0.5))
+    assert "2 x 5e+09 x 2 extra forward(s)" in m.describe() and "4 x 1e+09 frozen" in m.describe()
+
+
+@pytest.mark.parametrize("over, extra", [
+    ([], 0),
+    (["algorithm.correction=decoupled"], 0),  # one mini-batch: the training forward's own values are pi_prox
+    (["algorithm.correction=decoupled", "learner.mini_batches=2"], 1),  # a proximal forward before the first update
+    (["algorithm.kl_coef=0.1"], 1),  # the reference model's forward
+    (["algorithm.correction=decoupled", "learner.mini_batches=2", "algorithm.kl_coef=0.1"], 2),
+])
+def test_extra_forwards_come_from_the_config(over, extra):
+    from async_april.launch.plan_command import extra_forwards
+
+    assert extra_forwards(load_config(TINY, over)) == extra
+
+
 def test_splits_and_grid():
     assert splits(2, 1) == [(1, 1)]
     assert splits(8, 2) == [(2, 6), (4, 4), (6, 2)]
@@ -86,6 +108,16 @@ def test_sync_simulation_matches_the_analytic_step():
     # generation (0.4 s) is hidden behind the learner: a step is train + update
     assert asyn.useful_tokens_per_s(2) == pytest.approx(tokens / (train + update), rel=0.02)
     assert 0 < asyn.staleness_max <= 2
+
+
+def test_the_simulated_learner_step_costs_prompt_and_response_tokens():
+    """Constant lengths L, prompts P: a sync step is L decode steps, then the learner over B x n x (P + L)
+    tokens (before issue 38: the response tokens only), then the weight load."""
+    L, P, a, k, update = 40, 24, 0.01, 1e-4, 0.05
+    kw = {"steps": 6, "engines": 1, "step_s": lambda b, t, p: a, "update_s": update, "train_s": lambda n: k * n,
+          "sample_length": _const(L), "prompt_tokens": P}
+    sync = simulate(_cfg("async.max_staleness=0", "rollout.over_provision=1"), **kw)
+    assert sync.useful_tokens_per_s(2) == pytest.approx(4 * 4 * L / (L * a + k * 4 * 4 * (L + P) + update), rel=1e-6)
 
 
 def test_shared_host_slowdown_lengthens_only_steps_that_overlap_generation():
@@ -184,3 +216,42 @@ def test_plan_help_and_missing_config(capsys):
     assert e.value.code == 0 and "async-april plan" in out and "--lengths" in out and "a JSON file" in out
     assert cli_main(["plan", "/nonexistent/config.yaml", "--params", "1e6"]) == 2
     assert "/nonexistent/config.yaml" in capsys.readouterr().err
+
+
+def test_a_cpu_config_gets_a_plan_of_its_cpu_run(capsys, tmp_path):
+    """Issue 38: `async-april plan configs/tiny_cpu.yaml`, the README's own config, planned two H100s for a CPU run
+    with every response at the 48-token cap (the APRIL lengths), so every row was 1.00x. Now: its first line says
+    it plans the CPU run and what it assumes (costs measured on CPU cores), the reversal task's answer lengths
+    give the long tail, and overlap shows (the measured async figure is 1.5-1.7x sync, docs/benchmarks.md)."""
+    out_json = tmp_path / "plan.json"
+    code, out, err = _plan(capsys, tmp_path, "--steps", "6", "--json", str(out_json))
+    assert code == 0, err
+    first = err.splitlines()[0]
+    assert "a CPU run (torch engine, learner on CPU) on 2 cores" in first and "benchmarks/plan_accuracy.py --tiny" in first
+    assert "--gpus N plans a GPU run" in first
+    data = json.loads(out_json.read_text())
+    assert data["device"] == "core" and data["lengths"] == "builtin:reverse answers"
+    ratios = [r["vs_sync"] for r in data["rows"]]
+    assert max(ratios) > 1.2 and data["recommended"]["setting"]["mode"] != "sync"
+    assert "rollout core(s) and 1 learner core(s)" in err
+    code, _, err = _plan(capsys, tmp_path, "--steps", "3", "--gpus", "2", "--params", "1e6")
+    assert code == 0 and "though this config trains on CPU (drop --gpus to plan its CPU run)" in err.splitlines()[0]
+
+
+def test_the_cpu_calibration_is_the_tiny_benchmarks():
+    """planning.CpuCalibration's engine and host figures are benchmarks/results/plan_accuracy_tiny.json's, rounded."""
+    from pathlib import Path
+
+    from async_april.planning import CpuCalibration
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    cal = json.loads((results / "plan_accuracy_tiny.json").read_text())["calibration"]
+    hist = {int(k): v for k, v in json.loads((results / "plan_tiny_lengths.json").read_text()).items()}
+    mean_response = sum(k * v for k, v in hist.items()) / sum(hist.values())
+    c = CpuCalibration()
+    for ours, measured in ((c.engine_a, cal["latency"]["a"]), (c.engine_b, cal["latency"]["b"]),
+                           (c.update_s, cal["latency"]["update_s"]), (c.shared_host_slowdown, cal["shared_host_slowdown"])):
+        assert ours == pytest.approx(measured, rel=0.01)
+    per_learner_token = cal.get("learner_s_per_token") if "learner_s_per_response_token" in cal else \
+        cal["learner_s_per_token"] * mean_response / (mean_response + cal["prompt_tokens"])  # the response-only fit
+    assert c.learner_flops == pytest.approx(6 * c.params / per_learner_token, rel=0.01)

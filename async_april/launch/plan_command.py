@@ -7,26 +7,36 @@ the simulated engine's latency model, a modelled learner) gives useful tokens/s,
 utilisation, staleness and waste; the table shows them with the analytic ceiling
 (gen + train) / max(gen, train) beside each, and the best row is the recommendation.
 
-The config gives batch_groups, n_samples, concurrency, max_new_tokens and gpus_per_actor; each
-row's mode sets early_stop and on_weight_update as its preset (configs/presets/) does.
+The config gives batch_groups, n_samples, concurrency, max_new_tokens and gpus_per_actor, and the
+learner's extra forwards (the proximal policy's when its correction needs one, the KL reference's
+when algorithm.kl_coef > 0); each row's mode sets early_stop and on_weight_update as its preset
+(configs/presets/) does. A CPU config (torch engine, learner on CPU) gets a plan of its CPU run:
+cores instead of GPUs, with costs measured on CPU cores (planning.CpuCalibration); --gpus plans GPUs.
 
     --lengths SPEC     response-length histogram: a JSON file {"length": count, ...} (or
                        [[length, count], ...], or {"lengths": [...], "counts": [...]}), a CSV of
-                       length,count rows, or a preset name (april, copris, lognormal). Default:
-                       april, the APRIL-shaped one the benchmarks use (median 4k, 16k limit).
+                       length,count rows, or a preset name (april, copris, lognormal). Default: for
+                       data.source builtin:reverse the task's answers (digits + EOS), else april,
+                       the APRIL-shaped one the benchmarks use (median 4k, 16k limit).
                        Lengths are capped at rollout.max_new_tokens.
-    --gpus N           GPUs to split (default: what the config reserves, at least 2)
-    --params P         trained parameters (default: counted from model.path)
-    --peak-tflops F    per-GPU peak, TFLOP/s (default 989, H100 bf16 dense)
-    --mfu M            learner model FLOPs utilisation (default 0.4)
+    --gpus N           GPUs to split (default: what the config reserves, at least 2); given for a CPU
+                       config, it plans a GPU run of it
+    --cores N          a CPU run's cores to split, one per engine and per learner rank (default: the
+                       config's rollout.num_actors + learner.world_size, at least 2)
+    --params P         trained parameters (default: counted from model.path; a LoRA base counts as frozen)
+    --peak-tflops F    per-GPU peak, TFLOP/s (default 989, H100 bf16 dense; a CPU run: the measured
+                       0.0232 per core at MFU 1)
+    --mfu M            learner model FLOPs utilisation (default 0.4; a CPU run 1)
     --latency A,B,C,P[,U]  engine cost per decode step A + B * running + C * batch_tokens
                        + P * prefill_tokens, and U seconds per weight load (default: the simulated
-                       engine's, a 4B model on one H100, scaled by params / 4e9)
+                       engine's, a 4B model on one H100, scaled by params / 4e9; a CPU run: the
+                       tiny model's on one core, scaled by params / 1.05e6)
     --shared-host-slowdown F  engines and learner on cores of one machine (the tiny CPU task): a
                        learner step beside generation, and the decode steps beside it, take F times
                        as long (measure F as the learner's seconds per token in an async run over a
-                       sync run's; the engines' is assumed the same). Default 1: GPUs of their own
-    --prompt-tokens N  prompt length (default 256)
+                       sync run's; the engines' is assumed the same). Default 1: GPUs of their own;
+                       a CPU run: the measured 1.23
+    --prompt-tokens N  prompt length (default 256; builtin:reverse: the task's mean, 11)
     --steps N          learner steps simulated per row (default 12; the first 2 are warm-up)
     --json FILE        also write the rows as JSON
 """
@@ -65,14 +75,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 3)[3])
     ap.add_argument("config", metavar="CONFIG")
     ap.add_argument("overrides", metavar="KEY=VALUE", nargs="*")
-    ap.add_argument("--lengths", default="april")
+    ap.add_argument("--lengths", default=None)
     ap.add_argument("--gpus", type=int, default=None)
+    ap.add_argument("--cores", type=int, default=None)
     ap.add_argument("--params", type=float, default=None)
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--mfu", type=float, default=None)
     ap.add_argument("--latency", default=None)
-    ap.add_argument("--shared-host-slowdown", type=float, default=1.0)
-    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--shared-host-slowdown", type=float, default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
@@ -108,16 +119,44 @@ def latency_model(arg: str | None, params: float):
     return LatencyModel(*vals)
 
 
-def count_params(cfg) -> float:
+def count_params(cfg) -> tuple[float, float]:
+    """(trained, frozen) parameters of model.path with learner.lora (frozen: a LoRA base)."""
     from async_april.models.paths import resolve_model_path
     from learners.lora import parameter_counts
 
     try:
-        return float(parameter_counts(resolve_model_path(cfg.model.path, cfg.model.cache_dir), cfg.learner.lora)["trainable"])
+        counts = parameter_counts(resolve_model_path(cfg.model.path, cfg.model.cache_dir), cfg.learner.lora)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to read the model's config: say what to give instead
         raise UserError(f"could not count the parameters of model.path {cfg.model.path!r} ({e}); give --params") from None
+    return float(counts["trainable"]), float(counts["total"] - counts["trainable"])
+
+
+def extra_forwards(cfg) -> int:
+    """No-grad forwards a learner step runs beside the training one: the proximal policy's
+    (learners/update.py needs_proximal_forward) and the KL reference model's (algorithm.kl_coef > 0)."""
+    from async_april.algorithms.losses import LossSettings
+    from learners.update import needs_proximal_forward
+
+    settings = LossSettings.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+    return int(needs_proximal_forward(settings, cfg.learner.mini_batches)) + int(cfg.algorithm.kl_coef > 0)
+
+
+def cpu_run(cfg) -> bool:
+    """Whether `cfg` trains on CPU cores: the torch engine on no GPU, and the learner on CPU."""
+    from async_april.launch.memory_check import learner_on_gpu
+
+    return cfg.rollout.engine == "torch" and cfg.rollout.gpus_per_actor == 0 and not learner_on_gpu(cfg)
+
+
+class TaskLengths:
+    """data.source builtin:reverse: response lengths of a model that answers right (digits + EOS)."""
+
+    def sample(self, rng) -> int:
+        from async_april.tasks.reverse import answer_tokens
+
+        return answer_tokens(rng)
 
 
 def row_config(cfg, s: Setting, engines: int):
@@ -146,6 +185,7 @@ def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_toke
     rng = np.random.default_rng(1)
     mean_len = float(np.mean([min(r.max_new_tokens, lengths.sample(rng)) for _ in range(4000)]))
     batch_tokens = r.batch_groups * r.n_samples * mean_len
+    learner_tokens = r.batch_groups * r.n_samples * (mean_len + prompt_tokens)  # the learner runs whole rows
     rows = []
     for s in settings:
         engines = s.rollout_gpus // per_engine
@@ -155,44 +195,78 @@ def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_toke
         rows.append(Row(s, res.useful_tokens_per_s(WARMUP), res.generated_tokens_per_s() / (engines * peak),
                         float(np.mean(res.staleness[WARMUP:])), res.staleness_max,
                         res.wasted_tokens / max(1, res.generated_tokens),
-                        batch_tokens / (engines * peak), learner.step_s(int(batch_tokens), s.learner_gpus)))
+                        batch_tokens / (engines * peak), learner.step_s(int(learner_tokens), s.learner_gpus)))
     return with_sync_ratios(rows)
 
 
 def main(argv: list[str]) -> int:
     from async_april.config import load_config
     from async_april.console import say
+    from async_april.planning import CpuCalibration
 
     a = parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    if a.gpus is not None and a.gpus < 2:
-        raise UserError(f"--gpus {a.gpus}: needs at least 2 GPUs (one engine and one learner GPU)")
-    if a.prompt_tokens < 1:
+    for flag, value, least in (("--gpus", a.gpus, "2 GPUs (one engine and one learner GPU)"),
+                               ("--cores", a.cores, "2 cores (one engine and one learner core)")):
+        if value is not None and value < 2:
+            raise UserError(f"{flag} {value}: needs at least {least}")
+    if a.prompt_tokens is not None and a.prompt_tokens < 1:
         raise UserError(f"--prompt-tokens {a.prompt_tokens}: must be >= 1")
-    lengths = load_lengths(a.lengths)
-    params = a.params if a.params is not None else count_params(cfg)
-    learner = LearnerModel(params, **({"peak_flops": a.peak_tflops * 1e12} if a.peak_tflops is not None else {}),
-                           **({"mfu": a.mfu} if a.mfu is not None else {}))
-    latency = latency_model(a.latency, params)
+    reverse = cfg.data.source == "builtin:reverse"
+    lengths, lengths_name = (TaskLengths(), "builtin:reverse answers") if a.lengths is None and reverse else (
+        load_lengths(a.lengths or "april"), a.lengths or "april")
+    prompt_tokens = a.prompt_tokens if a.prompt_tokens is not None else 256
+    if a.prompt_tokens is None and reverse:
+        from async_april.tasks.reverse import MEAN_PROMPT_TOKENS
+
+        prompt_tokens = round(MEAN_PROMPT_TOKENS)
+    trained, frozen = (a.params, 0.0) if a.params is not None else count_params(cfg)
     r = cfg.rollout
-    gpus = a.gpus if a.gpus is not None else max(2, r.num_actors * max(1, math.ceil(r.gpus_per_actor)) + cfg.learner.world_size)
-    rows = plan(cfg, lengths=lengths, gpus=gpus, learner=learner, latency=latency, prompt_tokens=a.prompt_tokens, steps=a.steps,
-                shared_host_slowdown=a.shared_host_slowdown)
+    on_cpu = cpu_run(cfg) and a.gpus is None
+    cal = CpuCalibration()
+    scale = (trained + frozen) / cal.params
+    peak = a.peak_tflops * 1e12 if a.peak_tflops is not None else (cal.learner_flops if on_cpu else None)
+    learner = LearnerModel(trained, **({"peak_flops": peak} if peak is not None else {}),
+                           **({"mfu": a.mfu} if a.mfu is not None else {"mfu": 1.0} if on_cpu else {}),
+                           frozen=frozen, extra_forwards=extra_forwards(cfg))
+    if on_cpu and a.latency is None:
+        from actors.engines.simulated import LatencyModel
+
+        latency = LatencyModel(cal.engine_a * scale, cal.engine_b * scale, 0.0, 0.0, cal.update_s * scale)
+    else:
+        latency = latency_model(a.latency, trained + frozen)
+    slowdown = a.shared_host_slowdown if a.shared_host_slowdown is not None else (cal.shared_host_slowdown if on_cpu else 1.0)
+    device = "core" if on_cpu else "GPU"
+    if on_cpu:
+        devices = a.cores if a.cores is not None else max(2, r.num_actors + cfg.learner.world_size)
+        say(f"plan for {a.config}: a CPU run (torch engine, learner on CPU) on {devices} cores, one per engine and per "
+            f"learner rank; costs measured for the {cal.params / 1e6:.3g}M-parameter tiny model on one core each of a 2-core "
+            f"machine (benchmarks/plan_accuracy.py --tiny) x {scale:.3g} (params / {cal.params / 1e6:.3g}M), x "
+            f"{slowdown:g} while engines and learner both run. For your machine, run that benchmark and pass --latency, "
+            "--peak-tflops / --mfu and --shared-host-slowdown; --gpus N plans a GPU run of this config instead")
+    else:
+        devices = a.gpus if a.gpus is not None else max(2, r.num_actors * max(1, math.ceil(r.gpus_per_actor)) + cfg.learner.world_size)
+        if cpu_run(cfg):
+            say(f"plan for {a.config}: {devices} GPUs (H100-class, modelled), though this config trains on CPU "
+                "(drop --gpus to plan its CPU run)")
+    rows = plan(cfg, lengths=lengths, gpus=devices, learner=learner, latency=latency, prompt_tokens=prompt_tokens, steps=a.steps,
+                shared_host_slowdown=slowdown)
     pick = recommend(rows)
-    say(f"plan for {a.config}: {gpus} GPUs, batch {r.batch_groups} x {r.n_samples}, concurrency {r.concurrency} per engine, "
-        f"max_new_tokens {r.max_new_tokens}, lengths {a.lengths}, prompts {a.prompt_tokens} tokens, {a.steps} steps per row "
+    say(f"{'  ' if on_cpu or cpu_run(cfg) else f'plan for {a.config}: '}{devices} {device}s, batch {r.batch_groups} x {r.n_samples}, concurrency {r.concurrency} per engine, "
+        f"max_new_tokens {r.max_new_tokens}, lengths {lengths_name}, prompts {prompt_tokens} tokens, {a.steps} steps per row "
         f"({WARMUP} warm-up)")
-    say(learner.describe() + (f"; learner and engines x {a.shared_host_slowdown:g} while both run (--shared-host-slowdown)"
-                              if a.shared_host_slowdown != 1.0 else ""))
+    say(learner.describe(device) + (f"; learner and engines x {slowdown:g} while both run (--shared-host-slowdown)"
+                                    if slowdown != 1.0 else ""))
     say(f"engine model: {latency.a:.3g} + {latency.b:.3g} x running + {latency.c:.3g} x batch_tokens + "
         f"{latency.prefill_s_per_token:.3g} x prefill_tokens s per decode step, {latency.update_s:.3g} s per weight load "
         "(override with --latency)")
     print(table(rows, pick))
-    for line in recommendation(pick):
+    for line in recommendation(pick, device):
         say(line)
     if a.json:
-        out = {"gpus": gpus, "lengths": a.lengths, "learner": asdict(learner), "latency": asdict(latency),
-               "rows": [{**asdict(x), "ceiling": x.ceiling} for x in rows], "recommended": asdict(replace(pick))}
+        out = {"device": device, "devices": devices, "gpus": devices, "lengths": lengths_name, "learner": asdict(learner),
+               "latency": asdict(latency), "rows": [{**asdict(x), "ceiling": x.ceiling} for x in rows],
+               "recommended": asdict(replace(pick))}
         Path(a.json).write_text(json.dumps(out, indent=2))
         say(f"wrote {a.json}")
     return 0

@@ -31,6 +31,15 @@ def sample_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(lo, hi + 1)
 
 
+def answer_tokens(rng: np.random.Generator) -> int:
+    """Response tokens of a model that answers right: the reversed digits and EOS (the planner's lengths)."""
+    return int(sample_lengths(rng, 1)[0]) + 1
+
+
+MEAN_PROMPT_TOKENS = 2 + sum(p * (lo + hi) / 2 for (lo, hi), p in zip(LENGTH_BUCKETS, LENGTH_PROBS))
+"""BOS, the digits and `=`, on average over the bucket mix (10.9 tokens)."""
+
+
 def sample_reverse_rows(rng: np.random.Generator, n: int) -> list[dict]:
     """Draw `n` rows `{"prompt": digits + "=", "answer": reversed digits}` from `rng`."""
     rows = []
