@@ -123,7 +123,10 @@ class Checkpoint:
         return self._store
 
     def controller_state(self) -> dict[str, Any]:
-        """controller.json; CheckpointError unless it is an object with the counts a resume reads (RESTORED_KEYS)."""
+        return json.loads((self.path / "controller.json").read_text())
+
+    def check_controller_state(self) -> None:
+        """CheckpointError unless controller.json is an object with the counts a resume reads (RESTORED_KEYS)."""
         path = self.path / "controller.json"
         try:
             c = loads_json(path.read_bytes())
@@ -132,7 +135,6 @@ class Checkpoint:
         bad = [k for k in RESTORED_KEYS if not isinstance(c, dict) or type(c.get(k)) is not int or c[k] < 0]
         if bad:
             raise CheckpointError(f"run.resume: {path} lacks integer counts >= 0 for {', '.join(bad)}; {NOT_WRITTEN_BY_US}")
-        return c
 
 
 def config_hash(cfg: Config) -> str:

@@ -190,7 +190,7 @@ def check_resume_state(cfg: Config, dataset: PromptDataset, ck: Checkpoint) -> N
     anything is written or started (a crafted state would else end in a traceback after Ray started)."""
     from async_april.store import RolloutStore
 
-    ck.controller_state()
+    ck.check_controller_state()
     state = ck.store_state()
     try:
         store = RolloutStore(cfg, dataset)
