@@ -183,7 +183,8 @@ def lora_run(model_path, tmp_path_factory):
     ids = torch.tensor([[1, 4, 9, 2, 6, 3, 8, 5, 7]])
     with local_worker(cfg, model_path) as w:
         trained(w, model_path)
-        ck = CheckpointManager(run_dir).save(2, w.version, w, {}, {}, None, config_hash(cfg), model_shape(model_path))
+        controller = {"step": 2, "policy_version": w.version, "train/bad_steps": 0, "rollout/actor_restarts": 0}  # what resume reads
+        ck = CheckpointManager(run_dir).save(2, w.version, w, {}, controller, None, config_hash(cfg), model_shape(model_path))
         with torch.no_grad():
             logits = w.model(input_ids=ids).logits
     return cfg, run_dir, ck, ids, logits
