@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from async_april.weight_buckets import TensorSpec, plan_buckets
+from async_april.weight_buckets import TensorSpec, broadcast_backend, plan_buckets
 from learners.worker import INJECT_NAN_ENV, LearnerWorker
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ class LearnerGroup:
         self._version: int | None = None
         self._specs: list[TensorSpec] | None = None
         self.last_export_bytes = 0
+        self.broadcast_backend = broadcast_backend("cuda" if use_gpu else "cpu")
+        """The weight group's backend (weight_sync.transport=nccl): NCCL between GPUs, gloo from CPU ranks."""
         self.lost = False
         """A rank died: the group is unusable (LearnerLostError was raised)."""
 
@@ -145,8 +147,16 @@ class LearnerGroup:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=0)
         return ray.get(ray.remote(num_cpus=0)(_node_ip_and_free_port).options(scheduling_strategy=strategy).remote())
 
-    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
-        ray.get(self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name))
+    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str,
+                              timeout_s: float = 600.0) -> ray.ObjectRef:
+        """Rank 0 starts joining the engines' broadcast group (it returns once all joined): its ref."""
+        return self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name,
+                                                            self.broadcast_backend, timeout_s)
+
+    def destroy_weight_broadcast(self) -> None:
+        ref = self.workers[0].destroy_weight_broadcast.remote()
+        self._check_alive([ref])
+        ray.get(ref)
 
     def broadcast_weights(self, bucket_mb: float) -> None:
         self._all("broadcast_weights", bucket_mb)

@@ -51,14 +51,14 @@ class WeightSyncer:
 
     def __init__(self, transport: str = "object_store", bucket_mb: float = 256.0,
                  disk_dir: str | os.PathLike | None = None, group_name: str = "async_april_weights",
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, group_timeout_s: float = 600.0) -> None:
         if transport not in ("object_store", "disk", "nccl"):
             raise ValueError(f"weight_sync.transport={transport!r}: expected object_store, disk or nccl")
         if transport == "disk" and disk_dir is None:
             raise ValueError("the disk transport needs a directory (disk_dir) visible to learner rank 0 and every engine")
         self.transport, self.bucket_mb = transport, bucket_mb
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
-        self.group_name, self.tp_size = group_name, tp_size
+        self.group_name, self.tp_size, self.group_timeout_s = group_name, tp_size, group_timeout_s
         self._nccl_ready = False
 
     @classmethod
@@ -67,7 +67,7 @@ class WeightSyncer:
         if ws.transport == "disk" and disk_dir is None:  # weight_sync.disk_dir if given (was ignored before)
             disk_dir = Path(ws.disk_dir).expanduser().absolute() if ws.disk_dir else cfg.run_dir / "weights"
         tp = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
-        return cls(ws.transport, ws.bucket_mb, disk_dir, tp_size=tp)
+        return cls(ws.transport, ws.bucket_mb, disk_dir, tp_size=tp, group_timeout_s=ws.group_timeout_s)
 
     def push(self, learner_group: "LearnerGroup", engine_actors: list, version: int) -> dict[str, float]:
         """Send the learner's current weights to every engine as `version`; blocks until all loaded."""
@@ -106,8 +106,8 @@ class WeightSyncer:
 
         addr, port = learner_group.free_port_on_rank0()
         world, offsets = nccl_group_layout(len(engine_actors), self.tp_size)
-        futs = [a.init_weights_update_group.remote(addr, port, off, world, self.group_name)
+        futs = [a.init_weights_update_group.remote(addr, port, off, world, self.group_name, learner_group.broadcast_backend)
                 for a, off in zip(engine_actors, offsets)]
-        learner_group.init_weight_broadcast(addr, port, world, self.group_name)
+        ray.get(learner_group.init_weight_broadcast(addr, port, world, self.group_name, self.group_timeout_s))
         ray.get(futs)
         self._nccl_ready = True
