@@ -162,7 +162,8 @@ def test_engine_receives_exact_learner_weights(transport, trained_group, engine_
 
 @pytest.mark.gpu
 def test_nccl_transport_needs_gpus():
-    """The NCCL broadcast group (learner rank 0 -> engines) only runs on GPUs."""
+    """The broadcast group over NCCL itself (learner rank 0 on a GPU -> SGLang servers) needs GPUs; its
+    membership and re-forming run on CPU over gloo (test_nccl_group_is_re_formed_... below)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA GPUs and an engine that joins the broadcast group")
     pytest.skip("exercised by the GPU recipe with SGLang engines")
@@ -301,6 +302,8 @@ def test_nccl_group_is_re_formed_when_an_engine_joins_dies_or_is_replaced(traine
         pool.room_left = 0
         assert weights_arrived("gen2", 21)  # its first load: the group re-formed with every live engine
         assert [pool.servers[i].state.groups.world_size("async_april_weights") for i in ("gen0", "gen1", "gen2")] == [4] * 3
+        # a push to a subset (the joiner's first load) reaches every member: a broadcast has no subset
+        assert [w for _, w in pool.servers["gen0"].state.groups.received].count(4) == len(pool.servers["gen0"].state.groups.received) - 1
 
         version["v"] = 22
         pool.push_weights(push, 22)
@@ -319,7 +322,8 @@ def test_nccl_group_is_re_formed_when_an_engine_joins_dies_or_is_replaced(traine
         live = ("gen0", "gen2", "gen3")
         assert all(weights_arrived(i, 23) for i in live) and took < timeout_s, took  # nobody waited on gen1
         assert [pool.servers[i].state.groups.world_size("async_april_weights") for i in live] == [4] * 3
-        assert pool.servers["gen1"].state.weight_version == "22"  # the dead one was not pushed to
+        assert pool.servers["gen1"].state.weight_version == "22"  # the dead one was not pushed to ...
+        assert len(pool.servers["gen1"].state.groups.received) == 3  # ... nor waited on: v21, the join, v22
         err = capsys.readouterr().err
         assert "weight sync: gloo group formed for 2 engines (gen0, gen1)" in err
         assert "weight sync: gloo group re-formed for 3 engines (gen0, gen1, gen2): gen2 joined" in err
