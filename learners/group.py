@@ -23,6 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from async_april.network import ifname_env
 from async_april.weight_buckets import TensorSpec, broadcast_backend, plan_buckets
 from learners.worker import INJECT_NAN_ENV, LearnerWorker
 
@@ -70,6 +71,7 @@ class LearnerGroup:
         )
         actor_cls = ray.remote(LearnerWorker)
         env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env_vars.update(ifname_env(cfg))  # run.gloo/nccl_socket_ifname over the node's own (async_april/network.py)
         if os.environ.get(INJECT_NAN_ENV):  # test hook only; see docs/reliability.md
             env_vars[INJECT_NAN_ENV] = os.environ[INJECT_NAN_ENV]
         env = {"env_vars": env_vars}

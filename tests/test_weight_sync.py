@@ -77,6 +77,8 @@ def test_disk_writer_is_atomic_and_prunes_old_versions(tmp_path):
 
 # ----------------------------------------------------------------------------- Ray
 
+IFNAMES = {"gloo_socket_ifname": "lo", "nccl_socket_ifname": "=lo"}
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
@@ -89,12 +91,13 @@ def model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def trained_group(ray_cluster, model_path):
-    """A 2-rank learner after one step (so the weights differ from the files on disk)."""
+    """A 2-rank learner after one step (so the weights differ from the files on disk); its gloo groups bind
+    loopback by run.gloo_socket_ifname (one machine)."""
     from async_april.batch import TrainBatch
     from async_april.config import config_from_dict
     from learners.group import LearnerGroup
 
-    cfg = config_from_dict({"learner": {"world_size": 2, "lr": 1e-2}})
+    cfg = config_from_dict({"learner": {"world_size": 2, "lr": 1e-2}, "run": IFNAMES})
     rng = np.random.default_rng(0)
     ids = [rng.integers(1, 19, 10).astype(np.int64) for _ in range(4)]
     blp = [np.full(6, -3.0, np.float32) for _ in range(4)]
@@ -333,3 +336,28 @@ def test_nccl_group_is_re_formed_when_an_engine_joins_dies_or_is_replaced(traine
         ray.kill(store)
         for srv in pool.servers.values():
             srv.stop()
+
+
+def test_socket_ifnames_reach_learner_ranks_and_generation_actors(trained_group, model_path):
+    """Issue 37 item 7's plumbing on real actors: run.gloo_socket_ifname / run.nccl_socket_ifname are set in
+    every learner rank (learners/group.py runtime_env) and every generation actor the pool creates (and so in
+    the SGLang server it launches: subprocess.Popen inherits the actor's environment), over the node's own
+    (Ray merges an actor's env_vars over the job's, ray-project/ray#16378). The learner's gloo group formed
+    over that interface (the fixture trained a step with it)."""
+    import ray
+
+    from actors.pool import ActorPool
+    from async_april.config import load_config
+
+    def env_of(handle) -> tuple:
+        return ray.get(handle.__ray_call__.remote(lambda self: (os.environ.get("GLOO_SOCKET_IFNAME"),
+                                                                os.environ.get("NCCL_SOCKET_IFNAME"))))
+
+    assert [env_of(w) for w in trained_group.workers] == [("lo", "=lo")] * 2
+    cfg = load_config(None, ["rollout.engine=torch", *(f"run.{k}={v}" for k, v in IFNAMES.items())])
+    pool = ActorPool(cfg, store=None, model_path=model_path)
+    actor_id, handle = pool._new_actor()  # the pool's own construction of every actor, replacements included
+    try:
+        assert env_of(handle) == ("lo", "=lo")
+    finally:
+        ray.kill(handle)
