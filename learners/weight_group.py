@@ -62,6 +62,8 @@ class BroadcastGroup:
         import ray
 
         asked = list(actors) + [h for h in self.members.values() if h not in actors]
+        if not asked:
+            return {}
         refs = [h.weight_group_member.remote() for h in asked]
         ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)  # a dead actor answers at once (an error)
         names: dict[Any, str] = {}
@@ -87,6 +89,8 @@ class BroadcastGroup:
             learner_group.destroy_weight_broadcast()
             ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
             self.members = {}
+        if not targets:  # no engine left to form a group with (a pool waiting for capacity)
+            return True
         addr, port = learner_group.free_port_on_rank0()  # a fresh TCP store: nothing of the old group's
         world, offsets = nccl_group_layout(len(targets), self.tp_size)
         backend = learner_group.broadcast_backend

@@ -87,10 +87,11 @@ class WeightSyncer:
         else:
             targets = self.group.targets(engine_actors)
             self.group.ensure(learner_group, targets)
-            plan = learner_group.weight_plan(self.bucket_mb)
+            plan = learner_group.weight_plan(self.bucket_mb) if targets else []
             futs = [a.update_weights_from_distributed.remote(plan, version) for a in targets.values()]
             try:
-                learner_group.broadcast_weights(self.bucket_mb)
+                if targets:
+                    learner_group.broadcast_weights(self.bucket_mb)
                 ray.get(futs)
             except BaseException:
                 self.group.valid = False  # a member failed part way: the next push forms the group again
