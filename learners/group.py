@@ -150,10 +150,14 @@ class LearnerGroup:
         return ray.get(ray.remote(num_cpus=0)(_node_ip_and_free_port).options(scheduling_strategy=strategy).remote())
 
     def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str,
-                              timeout_s: float = 600.0) -> ray.ObjectRef:
-        """Rank 0 starts joining the engines' broadcast group (it returns once all joined): its ref."""
-        return self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name,
-                                                            self.broadcast_backend, timeout_s)
+                              timeout_s: float = 600.0, joins: list | None = None) -> None:
+        """Rank 0 joins the engines' broadcast group while they do (`joins`: their calls' refs); returns once
+        all joined. Rank 0 dead is LearnerLostError, as for every call here."""
+        ref = self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name,
+                                                           self.broadcast_backend, timeout_s)
+        ray.wait([ref, *(joins or [])], num_returns=1 + len(joins or []))
+        self._check_alive([ref])
+        ray.get([ref, *(joins or [])])
 
     def destroy_weight_broadcast(self) -> None:
         ref = self.workers[0].destroy_weight_broadcast.remote()

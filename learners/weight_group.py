@@ -96,7 +96,7 @@ class BroadcastGroup:
         backend = learner_group.broadcast_backend
         joins = [h.init_weights_update_group.remote(addr, port, off, world, self.group_name, backend)
                  for h, off in zip(targets.values(), offsets)]
-        ray.get([learner_group.init_weight_broadcast(addr, port, world, self.group_name, self.timeout_s), *joins])
+        learner_group.init_weight_broadcast(addr, port, world, self.group_name, self.timeout_s, joins)
         self.members, self.valid = dict(targets), True
         self.reforms += bool(old)
         say(group_change_line(backend, old, list(targets)))
