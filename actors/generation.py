@@ -288,12 +288,22 @@ class GenerationActor:
             load = partial(self.engine.update_weights, await fetch_buckets(payload), version)
         return await self._load(load)
 
-    async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str) -> None:
-        """NCCL transport (GPU, SGLang engine): join the learner's broadcast group."""
+    async def init_weights_update_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str, backend: str = "nccl") -> None:
+        """NCCL transport (SGLang engine): join the learner's broadcast group (`backend`: the learner's,
+        weight_buckets.broadcast_backend); returns once every member joined."""
         if not hasattr(self.engine, "init_weights_update_group"):
             raise RuntimeError(f"weight_sync.transport=nccl needs rollout.engine=sglang; {type(self.engine).__name__} cannot join an NCCL group")
         self.engine.group_name = group_name
-        await self.engine.init_weights_update_group(master_addr, master_port, rank_offset, world_size)
+        await self.engine.init_weights_update_group(master_addr, master_port, rank_offset, world_size, backend)
+
+    async def destroy_weights_update_group(self) -> None:
+        """Leave the broadcast group (the set of engines changed: learners/weight_sync.py re-forms it)."""
+        await self.engine.destroy_weights_update_group()
+
+    def weight_group_member(self) -> str:
+        """This actor's name for the weight group's membership (and a liveness probe before a broadcast)."""
+        return self.actor_id
 
     async def update_weights_from_distributed(self, plan, version: int) -> float:
         """NCCL transport: announce each bucket (names, dtypes, shapes) while learner rank 0 broadcasts it."""

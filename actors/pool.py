@@ -103,13 +103,15 @@ class ActorPool:
         import ray
 
         from actors.generation import GenerationActor
+        from async_april.network import ifname_env
         from async_april.placement import actor_options
 
         actor_id = f"gen{self._next}"
         self._next += 1
+        env = ifname_env(self.cfg)  # run.gloo/nccl_socket_ifname reach the actor and the server it launches
         handle = ray.remote(GenerationActor).options(
             num_cpus=1, num_gpus=self.cfg.rollout.gpus_per_actor, max_concurrency=1000,
-            **actor_options(self.cfg.placement.generation),
+            **actor_options(self.cfg.placement.generation), **({"runtime_env": {"env_vars": env}} if env else {}),
         ).remote(self.cfg, actor_id, self.store, self.model_path)
         return actor_id, handle
 

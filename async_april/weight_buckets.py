@@ -14,9 +14,12 @@ Transports (`weight_sync.transport`):
     disk          rank 0 writes root/v{version:08d}/bucket_NNNNN.safetensors + manifest.json
                   into a temporary directory renamed into place (atomic); engines get the
                   directory path and read the buckets one at a time. Needs a shared filesystem.
-    nccl          GPU only: a broadcast group [learner rank 0, engine 1..N] on its own TCP
-                  store (as SGLang's /init_weights_update_group); engines are told the bucket
-                  plan (names, dtypes, shapes) and receive each tensor by broadcast.
+    nccl          a broadcast group [learner rank 0, every TP rank of engines 1..N] on its own
+                  TCP store (as SGLang's /init_weights_update_group), NCCL when the learner is on
+                  GPUs, gloo when it runs on CPU (`broadcast_backend`); engines are told the bucket
+                  plan (names, dtypes, shapes) and receive each tensor by broadcast. Every member
+                  takes every broadcast, so the group is re-formed whenever the set of engines
+                  changes (learners/weight_sync.py).
 
 Engines see one call whatever the transport: `update_weights(payload, version)`,
 where payload is a list of ObjectRefs (object_store) or a directory (disk), and
@@ -195,15 +198,22 @@ class DiskBucketWriter:
 # ------------------------------------------------------------------------- nccl
 
 
+def broadcast_backend(device_type: str) -> str:
+    """The weight group's backend for a learner on `device_type`: NCCL between GPUs, gloo from a CPU learner."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def init_broadcast_group(master_addr: str, master_port: int, world_size: int, rank: int, group_name: str,
                          backend: str = "nccl", timeout_s: float = 600.0):
-    """A process group outside the default one, as SGLang's `init_custom_process_group`.
+    """A process group outside the default one, as SGLang's `init_custom_process_group`
+    (sglang 0.5.23 srt/utils/common.py): a TCP store at master_addr:master_port (hosted by rank 0),
+    `PrefixStore(group_name, store)`, then torch's `_new_process_group_helper`.
 
-    The learner's rank 0 is rank 0 of this group; SGLang engines join with
-    `/init_weights_update_group` (master_address, master_port, rank_offset,
-    world_size, group_name, backend="nccl"), which builds the same group: a
-    TCP store at master_addr:master_port, prefixed by group_name. Not tested
-    on CPU (marked `gpu`).
+    The learner's rank 0 is rank 0 of this group; SGLang engines join with `/init_weights_update_group`
+    (master_address, master_port, rank_offset, world_size, group_name, backend), which builds the same
+    group. Returns once all `world_size` members joined; a missing member fails it after `timeout_s`
+    (torch: "Timed out ... waiting for clients"). Tested over gloo against the SGLang stand-in
+    (tests/sglang_standin_group.py); NCCL itself needs GPUs.
     """
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
@@ -214,6 +224,15 @@ def init_broadcast_group(master_addr: str, master_port: int, world_size: int, ra
                                       group_name=group_name, timeout=timedelta(seconds=timeout_s))
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def destroy_broadcast_group(pg) -> None:
+    """This member's half of the group, as SGLang's /destroy_weights_update_group does its own
+    (`torch.distributed.destroy_process_group(pg)`: pg.shutdown() and the name freed, local to this
+    process, distributed_c10d.py), so a group of the same name can be formed again."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group(pg)
 
 
 def receive_broadcast(plan: list[list[TensorSpec]], group, device: str = "cuda") -> Iterator[WeightBucket]:

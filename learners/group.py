@@ -23,7 +23,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from async_april.weight_buckets import TensorSpec, plan_buckets
+from async_april.network import ifname_env
+from async_april.weight_buckets import TensorSpec, broadcast_backend, plan_buckets
 from learners.worker import INJECT_NAN_ENV, LearnerWorker
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class LearnerGroup:
         )
         actor_cls = ray.remote(LearnerWorker)
         env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env_vars.update(ifname_env(cfg))  # run.gloo/nccl_socket_ifname over the node's own (async_april/network.py)
         if os.environ.get(INJECT_NAN_ENV):  # test hook only; see docs/reliability.md
             env_vars[INJECT_NAN_ENV] = os.environ[INJECT_NAN_ENV]
         env = {"env_vars": env_vars}
@@ -86,6 +88,8 @@ class LearnerGroup:
         self._version: int | None = None
         self._specs: list[TensorSpec] | None = None
         self.last_export_bytes = 0
+        self.broadcast_backend = broadcast_backend("cuda" if use_gpu else "cpu")
+        """The weight group's backend (weight_sync.transport=nccl): NCCL between GPUs, gloo from CPU ranks."""
         self.lost = False
         """A rank died: the group is unusable (LearnerLostError was raised)."""
 
@@ -145,8 +149,20 @@ class LearnerGroup:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=0)
         return ray.get(ray.remote(num_cpus=0)(_node_ip_and_free_port).options(scheduling_strategy=strategy).remote())
 
-    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
-        ray.get(self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name))
+    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str,
+                              timeout_s: float = 600.0, joins: list | None = None) -> None:
+        """Rank 0 joins the engines' broadcast group while they do (`joins`: their calls' refs); returns once
+        all joined. Rank 0 dead is LearnerLostError, as for every call here."""
+        ref = self.workers[0].init_weight_broadcast.remote(master_addr, master_port, world_size, group_name,
+                                                           self.broadcast_backend, timeout_s)
+        ray.wait([ref, *(joins or [])], num_returns=1 + len(joins or []))
+        self._check_alive([ref])
+        ray.get([ref, *(joins or [])])
+
+    def destroy_weight_broadcast(self) -> None:
+        ref = self.workers[0].destroy_weight_broadcast.remote()
+        self._check_alive([ref])
+        ray.get(ref)
 
     def broadcast_weights(self, bucket_mb: float) -> None:
         self._all("broadcast_weights", bucket_mb)

@@ -88,12 +88,24 @@ class WeightExport:
                 writer.add(bucket)
         return writer.commit() if writer is not None else None
 
-    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
-        """NCCL transport, rank 0 only: join the learner->engines broadcast group as its rank 0."""
+    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, group_name: str,
+                              backend: str = "nccl", timeout_s: float = 600.0) -> None:
+        """NCCL transport, rank 0 only: join the learner->engines broadcast group as its rank 0 (`backend`:
+        weight_buckets.broadcast_backend of this rank's device); an earlier group is destroyed first."""
         from async_april.weight_buckets import init_broadcast_group
 
         if self.rank == 0:
-            self._bcast_group = init_broadcast_group(master_addr, master_port, world_size, 0, group_name)
+            self.destroy_weight_broadcast()
+            self._bcast_group = init_broadcast_group(master_addr, master_port, world_size, 0, group_name,
+                                                     backend=backend, timeout_s=timeout_s)
+
+    def destroy_weight_broadcast(self) -> None:
+        """Rank 0's half of the broadcast group, if any (the engines destroy theirs themselves)."""
+        from async_april.weight_buckets import destroy_broadcast_group
+
+        group, self._bcast_group = getattr(self, "_bcast_group", None), None
+        if group is not None:
+            destroy_broadcast_group(group)
 
     def broadcast_weights(self, bucket_mb: float) -> None:
         """NCCL transport: gather each bucket (all ranks), rank 0 broadcasts it to the engines."""
@@ -101,4 +113,5 @@ class WeightExport:
             if self.rank == 0:
                 for t in bucket.values():
                     dist.broadcast(t, src=0, group=self._bcast_group)
-                torch.cuda.synchronize()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()

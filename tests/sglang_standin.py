@@ -54,10 +54,13 @@ cites the SGLang file it follows (paths under sglang/):
   weights, no rollback (weight_updater.py update_weights_from_tensor); payloads are unpickled with
   SGLang's allow-list (srt/utils/common.py SafeUnpickler); a str field given an int (e.g.
   `weight_version: 3`) is 400 (managers/io_struct.py; http_server.py validation_exception_handler);
-- /init_weights_update_group refuses a group name it already holds, as torch does ("has already been
-  created", torch/distributed/distributed_c10d.py _new_process_group_helper), until
-  /destroy_weights_update_group (model_runner_components/weight_updater.py); it forms no NCCL group,
-  so /update_weights_from_distributed is refused;
+- /init_weights_update_group forms a REAL torch.distributed group (over gloo: no GPU here) with SGLang's
+  rendezvous, each TP rank a member (rank_offset + tp_rank), blocking until the whole world_size has
+  joined; it refuses a group name it already holds, as torch does ("has already been created",
+  torch/distributed/distributed_c10d.py _new_process_group_helper), until /destroy_weights_update_group;
+  /update_weights_from_distributed receives every announced tensor by broadcast on that group and loads
+  it; a group it does not hold is 400 (model_runner_components/weight_updater.py; the rules and the
+  store layout are tests/sglang_standin_group.py);
 - sampling_seed is honoured only with --enable-deterministic-inference (srt/server_args.py);
 - it is launched the way the client launches SGLang: `python -m tests.sglang_standin --model-path
   DIR --host 127.0.0.1 --port P --tp-size N ...`, and an occupied port makes it exit.
@@ -88,6 +91,7 @@ from tests.sglang_api_types import GenerateRequest as ContractRequest
 from tests.sglang_api_types import JsonContractError
 from tests.sglang_rules import check_lengths, control_body_error, reported_spans, safe_loads, verify_sampling_params
 from tests.sglang_standin_engine import StandinEngine
+from tests.sglang_standin_group import TORCH_DEFAULT_PG_TIMEOUT_S, StandinGroups
 
 SESSION_MSG = "{} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED_MSG = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -118,14 +122,14 @@ class StandinState:
     """What the real server keeps across requests: readiness, live rids, pause mode, the weight-update session."""
 
     def __init__(self, engine: StandinEngine, model_path: str, port: int, tp_size: int, deterministic: bool,
-                 overlap: bool, context_len: int) -> None:
+                 overlap: bool, context_len: int, group_timeout_s: float = TORCH_DEFAULT_PG_TIMEOUT_S) -> None:
         self.engine, self.model_path, self.port = engine, model_path, port
         self.tp_size, self.deterministic = tp_size, deterministic
         self.overlap, self.context_len = overlap, context_len
         self.lagged: set[int] = set()
         """Versions whose change was recorded with the overlap scheduler's one-token lag."""
-        self.groups: set[str] = set()
-        """Weight-update group names initialised and not destroyed."""
+        self.groups = StandinGroups(tp_size, group_timeout_s)
+        """Weight-update groups initialised and not destroyed (real gloo members, one per TP rank)."""
         self.ready = False
         self.live: set[str] = set()
         self.paused: str | None = None
@@ -319,24 +323,23 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         return await load([load_file(str(f)) for f in files], body.get("weight_version"), body.get("flush_cache", True))
 
     async def init_group(req: web.Request):
-        name = (await req.json()).get("group_name", "weight_update_group")
-        if name in state.groups:  # torch refuses a second group of one name (distributed_c10d.py)
-            return error(400, "Failed to initialize custom process group: The specified group name has already "
-                              "been created, please use a different group name.")
-        state.groups.add(name)
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+        ok, message = await asyncio.to_thread(state.groups.init, await req.json())  # blocks until all joined
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def destroy_group(req: web.Request):
-        name = (await req.json()).get("group_name", "weight_update_group")
-        if name not in state.groups:
-            return error(400, "The group to be destroyed does not exist.")
-        state.groups.discard(name)
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+        ok, message = state.groups.destroy((await req.json()).get("group_name", "weight_update_group"))
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
-    async def from_distributed(_):
+    async def from_distributed(req: web.Request):
+        body = await req.json()
         if sessions and not state.session:
             return error(400, SESSION_MSG.format("update_weights_from_distributed"))
-        return error(400, "stand-in server: NCCL weight updates need GPUs")
+        try:
+            bucket = await asyncio.to_thread(state.groups.receive, body.get("group_name", "weight_update_group"),
+                                             body["names"], body["dtypes"], body["shapes"])
+        except Exception as e:  # noqa: BLE001 - scheduler_components/weight_updater.py: any failure is a 400
+            return error(400, f"Failed to receive weights: {e}")
+        return await load([bucket], body.get("weight_version"), body.get("flush_cache", True))
 
     async def set_version(req: web.Request):
         body = await req.json()
@@ -383,9 +386,11 @@ class StandinServer:
     def __init__(self, model_path: str | Path, port: int = 0, *, tp_size: int = 1, deterministic: bool = True,
                  warmup_s: float = 0.0, weight_version: int = 0, sessions: bool = True,
                  disable_overlap_schedule: bool = False, disable_radix_cache: bool = False,
-                 context_length: int | None = None, **engine_kwargs) -> None:
+                 context_length: int | None = None, group_timeout_s: float = TORCH_DEFAULT_PG_TIMEOUT_S,
+                 **engine_kwargs) -> None:
         """Defaults as 0.5.23's: the overlap scheduler and the radix cache on; the context length the
-        model's config gives (`--context-length` overrides it, srt/configs/model_config.py)."""
+        model's config gives (`--context-length` overrides it, srt/configs/model_config.py); the weight
+        group's timeout torch's default (tests shorten it: a member that never comes fails in seconds)."""
         self.model_path, self.port, self.sessions = str(model_path), port, sessions
         self.tp_size, self.deterministic, self.warmup_s = tp_size, deterministic, warmup_s
         self.overlap = not disable_overlap_schedule
@@ -395,7 +400,7 @@ class StandinServer:
             from transformers import AutoConfig
 
             context_length = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
-        self.context_length = context_length
+        self.context_length, self.group_timeout_s = context_length, group_timeout_s
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.url = ""
@@ -432,7 +437,7 @@ class StandinServer:
 
     async def serve(self) -> None:
         self._state = StandinState(self.engine, self.model_path, self.port, self.tp_size, self.deterministic,
-                                   self.overlap, self.context_length)
+                                   self.overlap, self.context_length, self.group_timeout_s)
         self._runner = web.AppRunner(build_app(self._state, self.sessions))
         await self._runner.setup()
         # SO_REUSEADDR, as uvicorn (SGLang's HTTP server) sets it: a server restarted on its port must

@@ -205,7 +205,7 @@ def test_stop_token_ends_with_stop_and_is_included(harness):
     assert not set(res.output_ids[:-1].tolist()) & {4, 5, 6, 7}
 
 
-def test_standin_disk_weight_update_and_nccl_refusal(standin, model_dir, tmp_path):
+def test_standin_disk_weight_update_and_a_distributed_load_without_a_group_refused(standin, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -221,7 +221,7 @@ def test_standin_disk_weight_update_and_nccl_refusal(standin, model_dir, tmp_pat
             b = await eng.generate(req("d-1#", PROMPT, 16, seed=2))
             await eng.update_weights_from_disk(model_dir, version=6)
             c = await eng.generate(req("d-2#", PROMPT, 16, seed=2))
-            with pytest.raises(Exception, match="NCCL"):
+            with pytest.raises(Exception, match="Please call `init_weights_update_group` first"):
                 await eng.update_weights_from_distributed([(["x"], ["float32"], [[1]])], version=7)
             return a, b, c
         finally:

@@ -34,6 +34,7 @@ from actors.engines.sglang_engine import SGLangEngine
 from actors.engines.sglang_wire import SGLangError, parse_generate_response
 from async_april.config import ConfigError, load_config
 from tests.sglang_standin import StandinServer, make_test_model_dir
+from tests.test_learner import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = np.array([1, 5, 6, 7, 14], np.int64)
@@ -168,7 +169,7 @@ def test_1_distributed_update_gets_past_the_session_check_to_nccl(standin):
 
     status, text, err = asyncio.run(main())
     assert status == 400 and SESSION_400 in text  # what the client as it was got on every NCCL sync
-    assert "NCCL weight updates need GPUs" in err and SESSION_400 not in err
+    assert "Group async_april_weights not in []" in err and SESSION_400 not in err  # past the session: no group
     assert not standin.state.session and standin.state.paused is None
 
 
@@ -803,29 +804,112 @@ def test_26_13_near_the_context_limit_the_client_caps_max_new_tokens_as_the_serv
 
 def test_26_12_the_weight_group_is_destroyed_on_shutdown_and_before_init(standin):
     """A server at rollout.sglang.url outlives a run: the next run (or a restarted actor) joins a group of
-    the same name, which torch refuses until it is destroyed (distributed_c10d.py; the stand-in refuses
-    it the same way). The client as it was never destroyed it: the second init was a 400."""
-    args = ("127.0.0.1", 29999, 1, 2)
+    the same name, which torch refuses until it is destroyed (distributed_c10d.py; the stand-in's group is a
+    real one, tests/sglang_standin_group.py). The client as it was never destroyed it: the second init was
+    a 400. Groups of one member (the server is rank 0 and hosts the store) need no learner here."""
     standin.wait_ready()
 
     async def main():
-        init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
-        raw = [await raw_post(standin.url, "/init_weights_update_group", {**init, "group_name": "g26"}) for _ in (0, 1)]
+        def alone(name: str) -> dict:
+            return {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 0, "world_size": 1,
+                    "group_name": name, "backend": "gloo"}
+
+        raw = [await raw_post(standin.url, "/init_weights_update_group", alone("g26")) for _ in (0, 1)]
+        await raw_post(standin.url, "/destroy_weights_update_group", {"group_name": "g26"})
         first, second = client(standin.url), client(standin.url)
         await first.start()
         await second.start()
-        await first.init_weights_update_group(*args)
+        await first.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "gloo")
         await first.shutdown()  # a run that ends: its group goes with it
         after_shutdown = set(standin.state.groups)
         # a run that died holding the group (what its init left on the server) ...
-        await raw_post(standin.url, "/init_weights_update_group", {**init, "group_name": second.group_name})
-        await second.init_weights_update_group(*args)  # ... and the next run still joins
+        await raw_post(standin.url, "/init_weights_update_group", alone(second.group_name))
+        await second.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "gloo")  # ... and the next run still joins
         await second.shutdown()
         return raw, after_shutdown, set(standin.state.groups)
 
     (first_raw, again), after_shutdown, left = asyncio.run(main())
     assert first_raw[0] == 200 and again[0] == 400 and "has already been created" in again[1]  # as torch refuses
     assert "async_april_weights" not in after_shutdown and "async_april_weights" not in left
+
+
+def test_37_1_the_weight_group_is_a_real_group_that_enforces_its_members(standin, model_dir):
+    """Issue 37 item 1's stand-in: /init_weights_update_group joins a real torch.distributed group with
+    SGLang's rendezvous (here over gloo, with learner rank 0 played by this process through
+    weight_buckets.init_broadcast_group, as learners/weight_export.py does), so torch enforces what NCCL
+    does: the broadcast reaches the server's model; a world with a member missing fails both sides after
+    the group's timeout instead of forming; a second group of the name is refused; a group it does not
+    hold is refused; nccl (no GPU) is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from async_april.weight_buckets import destroy_broadcast_group, init_broadcast_group
+
+    standin.wait_ready()
+    sd = {k: v for k, v in perturbed(model_dir, 0.1).items() if k != "lm_head.weight"}  # tied: sent once
+    names = sorted(sd)
+    plan = [(names, ["float32"] * len(names), [list(sd[n].shape) for n in names])]
+    pool = ThreadPoolExecutor(1)
+    timeout, standin.state.groups.timeout_s = standin.state.groups.timeout_s, 3.0  # a missing member: seconds
+
+    def rank0(port: int, world: int):
+        return pool.submit(init_broadcast_group, "127.0.0.1", port, world, 0, "async_april_weights", "gloo", 3.0)
+
+    def broadcast(pg) -> None:
+        for n in names:
+            dist.broadcast(sd[n].clone(), src=0, group=pg)
+
+    async def main():
+        eng = client(standin.url)
+        await eng.start()
+        try:
+            port = free_port()
+            learner = rank0(port, 2)
+            await eng.init_weights_update_group("127.0.0.1", port, 1, 2, "gloo")
+            pg = learner.result()
+            sending = pool.submit(broadcast, pg)
+            await eng.update_weights_from_distributed(plan, version=8)
+            sending.result()
+            second = await raw_post(standin.url, "/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+                "group_name": "async_april_weights", "backend": "gloo"})
+            res = await eng.generate(req("g-0#", 4))
+            destroy_broadcast_group(pg)
+            await eng.destroy_weights_update_group()
+            port = free_port()
+            learner, t0 = rank0(port, 3), time.monotonic()  # world 3, one member never comes
+            with pytest.raises(SGLangError, match="Failed to initialize custom process group") as missing:
+                await eng.init_weights_update_group("127.0.0.1", port, 1, 3, "gloo")
+            waited = time.monotonic() - t0
+            with pytest.raises(Exception, match="waiting for clients"):
+                learner.result()
+            with pytest.raises(SGLangError, match="Group async_april_weights not in"):
+                await eng.update_weights_from_distributed(plan, version=9)
+            with pytest.raises(SGLangError, match="needs GPUs"):
+                await eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "nccl")
+            return res, second, waited, str(missing.value)
+        finally:
+            standin.state.groups.timeout_s = timeout
+            await eng.shutdown()
+
+    res, second, waited, missing = asyncio.run(main())
+    got = standin.engine.model.state_dict()
+    assert all(torch.equal(got[n], sd[n]) for n in names) and set(res.versions.tolist()) == {8}
+    assert standin.state.groups.received[-1] == ("async_april_weights", 2)
+    assert second[0] == 400 and "has already been created" in second[1]
+    assert 2.5 < waited < 30 and "async_april_weights" not in standin.state.groups
+    asyncio.run(_load_original(standin, model_dir))
+
+
+async def _load_original(standin, model_dir) -> None:
+    """Later tests of this module expect the module stand-in's model as it was."""
+    eng = client(standin.url)
+    await eng.start()
+    try:
+        await eng.update_weights(halves(original(model_dir)), version=0)
+    finally:
+        await eng.shutdown()
 
 
 def test_26_14_an_abort_during_an_in_flight_load_returns_after_continue_and_reaches_requests_sent_meanwhile(

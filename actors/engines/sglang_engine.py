@@ -208,7 +208,7 @@ class SGLangEngine(SGLangHTTP):
             if self._inflight:
                 await self.abort_all()
             if self._group_joined:  # a later run or a restarted actor joins a group of the same name
-                await self._destroy_group()
+                await self.destroy_weights_update_group()
         finally:
             await self._session.close()
             self._session = None
@@ -380,15 +380,16 @@ class SGLangEngine(SGLangHTTP):
         as ranks rank_offset .. rank_offset + tp_size - 1. A group of our name left by an earlier run (a
         server at rollout.sglang.url outlives us) is destroyed first: torch refuses a second group of one
         name (distributed_c10d.py _new_process_group_helper)."""
-        await self._destroy_group()
+        await self.destroy_weights_update_group()
         self._group_joined = True
         await self._post_ok("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": self.group_name, "backend": backend,
         })
 
-    async def _destroy_group(self) -> None:
-        """POST /destroy_weights_update_group (http_server.py; model_runner_components/weight_updater.py
+    async def destroy_weights_update_group(self) -> None:
+        """Leave the weight group (on shutdown, before a join, and when the learner re-forms the group for
+        a new set of engines). POST /destroy_weights_update_group (http_server.py; model_runner_components/weight_updater.py
         destroy_weights_update_group): 400 "does not exist" when there is none, 404 on servers before it."""
         status, text = await self._post_raw("/destroy_weights_update_group", {"group_name": self.group_name})
         self._group_joined = False

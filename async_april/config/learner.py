@@ -185,9 +185,11 @@ class LearnerConfig(Section):
 
 class WeightSyncConfig(Section):
     transport: Literal["object_store", "nccl", "disk"] = "object_store"
-    """How new weights reach the engines: Ray object store (CPU default), NCCL broadcast (GPU), or files."""
+    """How new weights reach the engines: Ray object store (CPU default), a broadcast group from learner rank 0 to every SGLang engine (`nccl`: NCCL from GPU ranks, gloo from CPU ranks; re-formed whenever the set of engines changes), or files."""
     bucket_mb: float = Field(256.0, gt=0.0)
     """Largest weight bucket in MB; tensors are grouped by dtype into buckets of at most this size."""
+    group_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """`transport: nccl`: how long forming the broadcast group (every engine joining) and each broadcast may wait for a member before failing; torch's NCCL default. A member that died is left out before a push, so this bounds only a member lost during one."""
     disk_dir: str | None = None
     """Directory for the disk transport, visible to learner rank 0 and every engine; None uses `run.dir/weights`. Only with `transport: disk`."""
 

@@ -72,8 +72,10 @@ class Config(Section):
             # SGLang's weight routes take full tensors; its own LoRA serving is not used (docs/learner.md, LoRA).
             raise ValueError("learner.lora.sync=adapter needs rollout.engine=torch (it merges adapters itself); "
                              "SGLang gets merged weights: set learner.lora.sync=merged or auto")
-        if self.weight_sync.transport == "nccl" and self.learner.device == "cpu":
-            raise ValueError("weight_sync.transport=nccl needs GPUs; use object_store or disk with learner.device=cpu")
+        if self.weight_sync.transport == "nccl" and self.learner.device == "cpu" and r.engine != "sglang":
+            # Only SGLang servers join a broadcast group (/init_weights_update_group); from CPU ranks it runs over gloo.
+            raise ValueError(f"weight_sync.transport=nccl needs rollout.engine=sglang (the {r.engine} engine cannot join "
+                             "the broadcast group); use object_store or disk")
         return self
 
     @property

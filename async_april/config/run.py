@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from async_april.config.base import Section
 
@@ -28,6 +29,25 @@ class RunConfig(Section):
     """Start from scratch in a run directory that already holds a run: its contents are first moved to `<run.dir>.old-<UTC time>` next to it (delete that yourself). Cannot be combined with `resume`."""
     pin_cpus: bool = False
     """CPU runs on one machine: pin each generation actor to a core of its own and the learner, store and driver to the other cores, as a cluster dedicates GPUs (async_april/cpu_pinning.py). Needs Linux and rollout.num_actors + 1 cores; otherwise a warning and no pinning."""
+
+
+    gloo_socket_ifname: str | None = None
+    """Network interface gloo binds in every group that crosses nodes (learner ranks on CPU or with `learner.offload_optimizer`, the weight group from CPU ranks): set as GLOO_SOCKET_IFNAME in every learner rank and generation actor (and the SGLang server it launches), over their environment. None: each process keeps its own environment's (its node's `ray start` environment, or the job's runtime_env); without one torch binds the address the node's hostname resolves to, which on a Debian-style /etc/hosts is 127.0.1.1 and hangs a cross-node rendezvous (checked at start, docs/cluster.md). One name or a comma-separated list, e.g. `eth0`."""
+    nccl_socket_ifname: str | None = None
+    """NCCL's bootstrap and socket interface, set as NCCL_SOCKET_IFNAME the same way (the config wins over the environment; None keeps each process's own). NCCL's syntax: prefixes `eth,ib`, exact `=eth0`, or excluded `^docker,lo`. None and unset: NCCL picks one itself."""
+
+    @field_validator("gloo_socket_ifname", "nccl_socket_ifname")
+    @classmethod
+    def _check_ifname(cls, value: str | None, info) -> str | None:
+        prefix = "[\\^=]?" if info.field_name == "nccl_socket_ifname" else ""
+        if value is not None and not re.fullmatch(prefix + IFNAME + "(," + IFNAME + ")*", value):
+            raise ValueError(f"run.{info.field_name}={value!r} is not a network interface name (or a comma-separated list of them), e.g. eth0; "
+                             "list a node's interfaces with `ip -br addr`")
+        return value
+
+
+IFNAME = r"[A-Za-z0-9_.:@-]{1,15}"
+"""One Linux interface name: at most IFNAMSIZ - 1 = 15 characters, no spaces or slashes (net/core/dev.c dev_valid_name)."""
 
 
 class CheckpointConfig(Section):

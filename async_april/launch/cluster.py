@@ -48,12 +48,13 @@ NODE_DEATH_WAIT_S = 30.0
 declare a node dead after ~15 s of silence) before the probe's failure counts as an error."""
 
 
-def probe_nodes(paths: dict[str, str]) -> list[dict[str, Any]]:
-    """Run `_probe(paths)` once on every live node (hard node affinity); one answer per node."""
+def probe_nodes(paths: dict[str, str], fn=_probe, what: str = "storage probe") -> list[dict[str, Any]]:
+    """Run `fn(paths)` (`_probe`, or another probe of a dict) once on every live node (hard node affinity);
+    one answer per node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    probe = ray.remote(num_cpus=0)(_probe)
+    probe = ray.remote(num_cpus=0)(fn)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(paths) for nid in nodes]
     answers, deadline = [], time.monotonic() + PROBE_TIMEOUT_S  # one timeout for all, as a single ray.get had
@@ -65,7 +66,7 @@ def probe_nodes(paths: dict[str, str]) -> list[dict[str, Any]]:
             # a node that left cannot hold any of the run's actors, so it has nothing to see.
             if not node_seen_dead(nid, within_s=NODE_DEATH_WAIT_S):
                 raise
-            say(f"node {nid[:8]} left the cluster during the storage probe; not checked")
+            say(f"node {nid[:8]} left the cluster during the {what}; not checked")
     return answers
 
 

@@ -60,6 +60,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
     import ray
 
     from async_april import rundir
+    from async_april.launch.rendezvous import check_rendezvous
     from async_april.launch.resolve import check_gpu_resources, resolve
 
     r = resolve(cfg)
@@ -75,6 +76,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
         started_ray, tracker, stop, restarts = init_ray(cfg), None, GracefulStop(), 0
         try:
             check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
+            say(check_rendezvous(cfg))  # interfaces per backend; a node that would hang a gloo rendezvous stops here
             if sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
                 say(f"ray: {check_shared_storage(cfg, r.model_path)} nodes see run.dir and the model")
                 warn_if_layout_does_not_fit(cfg)
