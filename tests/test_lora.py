@@ -169,6 +169,40 @@ def test_resumed_lora_run_equals_uninterrupted(model_path, tmp_path):
             w.load_checkpoint(str(ck))
 
 
+def test_dropout_acts_in_the_gradient_only(model_path):
+    """learner.lora.dropout=0.1 (rank 4, as the review measured): after training (B != 0, so the adapters
+    matter) two proximal forwards of one set of weights agree bit for bit, and behaviour logprobs equal to the
+    learner's own give an on-policy ratio of exactly 1 in the training forward (before the fix: dropout in both,
+    ratio 0.968..1.084). The dropout still acts, in the gradient: from one set of weights, dropout 0.1 and 0 give
+    the same loss and different gradients. Every forward stays collective: a rank's padding micro-batch runs as
+    many forwards as a real one (learners/dropout.py)."""
+    import dataclasses
+
+    cfg = lora_cfg(dropout=0.1, rank=4)
+    with local_worker(cfg, model_path) as w:
+        trained(w, model_path)
+        batch = make_batch(model_path, seed=40)
+        first, again = w._with_proximal(batch).proximal_logprobs, w._with_proximal(batch).proximal_logprobs
+        assert all(np.array_equal(a, b) for a, b in zip(first, again))
+        m = w.train_step(dataclasses.replace(batch, behavior_logprobs=first))
+        assert m["is/weight_max"] == pytest.approx(1.0, abs=1e-6) and m["is/weight_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert m["loss/approx_kl"] < 1e-12 and m["loss/clip_frac"] == 0.0
+        calls = []
+        handle = w.model.register_forward_pre_hook(lambda *_: calls.append(1))
+        w.train_step(batch.select([0]))
+        real, calls[:] = len(calls), []
+        w._zero_loss_backward()
+        handle.remove()
+        assert real == len(calls) == 2
+    fresh = make_batch(model_path, seed=41)
+    steps = {}
+    for p in (0.0, 0.1):  # B = 0 at the start: identical weights and values whatever the dropout
+        with local_worker(lora_cfg(dropout=p, rank=4), model_path) as w:
+            steps[p] = w.train_step(fresh)
+    assert steps[0.1]["loss/total"] == steps[0.0]["loss/total"]
+    assert abs(steps[0.1]["train/grad_norm"] - steps[0.0]["train/grad_norm"]) > 1e-3 * steps[0.0]["train/grad_norm"]
+
+
 @pytest.fixture(scope="module")
 def lora_run(model_path, tmp_path_factory):
     """A LoRA run directory as the run writes it (config.yaml, a run checkpoint by its CheckpointManager)
