@@ -115,6 +115,8 @@ class LearnerWorker(WeightExport):
         if attn == "sdpa" and lc.packing and lc.sequence_parallel == 1:
             attn = packed_attention.register()  # packed rows without a [T, T] mask (learners/packed_attention.py)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
+        if attn == packed_attention.ATTN_NAME:
+            packed_attention.check_model(model.config)  # plain causal within rows: no sliding window
         install_logprob_head(model)  # before the copy and FSDP2: logprobs come from the head, not full logits
         self.hf_config = model.config
         # Sequence parallelism (learners/sequence_parallel.py): Ulysses attention, rows sharded over "dp" only.
