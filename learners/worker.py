@@ -284,7 +284,9 @@ class LearnerWorker(WeightExport):
         gradient were finite (settings the schema admits but the maths does not: an enormous weight
         decay, lr x weight_decay > 1, a bf16 overflow). Raised before anything is saved or broadcast,
         so the last checkpoint and the engines keep the last finite weights."""
-        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in self.model.parameters())
+        # Only what the optimizer updates can have changed (LoRA: a frozen base read every step for nothing).
+        trained = (p for g in self.optimizer.param_groups for p in g["params"])
+        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in trained)
         if self._all_reduce_int(int(local), dist.ReduceOp.MIN):
             return
         lc = self.cfg.learner
