@@ -252,7 +252,7 @@ class LearnerWorker(WeightExport):
             metrics["loss/entropy"] = entropy.sum() / mb.response_mask.sum().clamp(min=1)
             per_micro.append({k: float(v) for k, v in metrics.items()})
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._trained(), self.cfg.learner.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
@@ -285,8 +285,7 @@ class LearnerWorker(WeightExport):
         decay, lr x weight_decay > 1, a bf16 overflow). Raised before anything is saved or broadcast,
         so the last checkpoint and the engines keep the last finite weights."""
         # Only what the optimizer updates can have changed (LoRA: a frozen base read every step for nothing).
-        trained = (p for g in self.optimizer.param_groups for p in g["params"])
-        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in trained)
+        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in self._trained())
         if self._all_reduce_int(int(local), dist.ReduceOp.MIN):
             return
         lc = self.cfg.learner
@@ -296,6 +295,10 @@ class LearnerWorker(WeightExport):
             f"(learner.lr={lc.lr:g}, learner.weight_decay={lc.weight_decay:g}, learner.betas={tuple(lc.betas)}); "
             "stopped before saving or broadcasting them, the last checkpoint is intact. Lower learner.lr or "
             "learner.weight_decay, then resume with run.resume=auto")
+
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (LoRA: the adapters; a frozen parameter has no gradient)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _count_bad_step(self, last: dict[str, float]) -> None:
         """A rollout batch none of whose optimizer steps could be taken: one more consecutive bad step
