@@ -5,9 +5,10 @@ the torch engine, which merges them itself) for the same steps and seeds, interl
 (embedded Ray), plus LoRA with merged weights synced (`learner.lora.sync=merged`, the SGLang path). No
 held-out evaluation. Per setting:
   speed     trained tokens/s (the run summary's figure: trained tokens over step time, step 1 left out:
-            it also waits for the engine's first batch) and the median step split into generation
-            (the wait for a batch, timing_s/rollout), learner (timing_s/train), weight sync
-            (timing_s/weight_sync: export to every engine loaded) and the rest; learner tokens/s
+            it also waits for the engine's first batch) and the mean step split into generation (the
+            wait for a batch, timing_s/rollout), learner (timing_s/train), weight sync
+            (timing_s/weight_sync: export to every engine loaded) and the rest; the learner's median
+            step and tokens/s
   learning  the reward of the first 5 steps and of the last 20% of steps (their difference is the rise)
   sync      MB per step
 Launch (2 CPU cores; about 3 minutes per run, longer on a busy machine):
@@ -19,7 +20,8 @@ shape at several widths (hidden H, intermediate 4H, 4 layers, LoRA rank 16 on ev
 tiny_cpu_lora.yaml), one in-process learner rank, the same 128-row batch (tiny task lengths, packed,
 512-token micro-batches): where LoRA's per-module cost stops mattering (~3 minutes; --with-peft-forward
 adds LoRA on peft's own forward, what the learner ran before `lora.lean_forward`):
-    OMP_NUM_THREADS=1 python benchmarks/lora_vs_full.py --learner-only [--hidden 128 256 512] [--learner-steps 3] [--with-peft-forward]
+    OMP_NUM_THREADS=1 python benchmarks/lora_vs_full.py --learner-only [--hidden 128 256 512] [--learner-steps 3] \
+        [--with-peft-forward]
 Writes benchmarks/results/lora_learner_width.json and prints a table.
 
 The tiny model's sync is mostly fixed cost (4 MB in all), so `--sync-only` compares the three
@@ -80,14 +82,16 @@ PHASES = {"generation": "timing_s/rollout", "learner": "timing_s/train", "sync":
 
 
 def speed(rows: list[dict]) -> dict:
-    """Trained tokens/s over steps 2.. and the median seconds of each part of a step (module docstring)."""
+    """Trained tokens/s over steps 2.. and the mean seconds of a step and of each of its parts (module
+    docstring): means, so that the parts add up to the step and tokens / step time is the tokens/s."""
     later = rows[1:] or rows
     out = {"trained_tokens_per_s": sum(r["rollout/tokens"] for r in later) / sum(r["timing_s/step"] for r in later),
            "learner_tokens_per_s_median": statistics.median(r["perf/learner_tokens_per_s"] for r in later),
-           "step_s_median": statistics.median(r["timing_s/step"] for r in later)}
+           "step_s_mean": statistics.mean(r["timing_s/step"] for r in later),
+           "learner_s_median": statistics.median(r["timing_s/train"] for r in later)}
     for part, key in PHASES.items():
-        out[f"{part}_s_median"] = statistics.median(r.get(key, 0.0) for r in later)
-    out["other_s_median"] = statistics.median(r["timing_s/step"] - sum(r.get(k, 0.0) for k in PHASES.values()) for r in later)
+        out[f"{part}_s_mean"] = statistics.mean(r.get(key, 0.0) for r in later)
+    out["other_s_mean"] = out["step_s_mean"] - sum(out[f"{p}_s_mean"] for p in PHASES)
     return out
 
 
@@ -228,8 +232,8 @@ def summary(runs: list[dict]) -> dict[str, dict]:
 
 
 def speed_keys() -> list[str]:
-    return ["trained_tokens_per_s", "learner_tokens_per_s_median", "step_s_median",
-            *(f"{p}_s_median" for p in PHASES), "other_s_median"]
+    return ["trained_tokens_per_s", "learner_tokens_per_s_median", "learner_s_median", "step_s_mean",
+            *(f"{p}_s_mean" for p in PHASES), "other_s_mean"]
 
 
 def main() -> None:
@@ -250,10 +254,12 @@ def main() -> None:
         rows = learner_widths(a.hidden, a.learner_steps, rank, a.with_peft_forward)
         out = write_json("lora_learner_width.json", {"note": "2 shared CPU cores, other jobs running: timings contended",
                                                      "lora_rank": rank, "results": rows})
-        print(f"{'hidden':>6} {'setting':17} {'base M':>7} {'trained M':>9} {'wall s/step':>11} {'cpu s/step':>10} {'vs full (cpu)':>13}")
+        print(f"{'hidden':>6} {'setting':17} {'base M':>7} {'trained M':>9} {'wall s/step':>11} {'cpu s/step':>10} "
+              f"{'vs full (cpu)':>13}")
         for r in rows:
             full = next(x for x in rows if x["hidden"] == r["hidden"] and x["setting"] == "full")
-            print(f"{r['hidden']:>6} {r['setting']:17} {r['base_params_m']:>7.2f} {r['trainable_m']:>9.3f} {r['wall_s_median']:>11.3f} "
+            print(f"{r['hidden']:>6} {r['setting']:17} {r['base_params_m']:>7.2f} {r['trainable_m']:>9.3f} "
+                  f"{r['wall_s_median']:>11.3f} "
                   f"{r['cpu_s_median']:>10.3f} {r['cpu_s_median'] / full['cpu_s_median']:>13.2f}")
         print(f"wrote {out}")
         return
@@ -282,12 +288,12 @@ def main() -> None:
         "full_lr": load_config(REPO / "configs/tiny_cpu.yaml").learner.lr,
         "note": "2 shared CPU cores, other jobs running: timings contended", "summary": table, "runs": runs})
     print(f"{'setting':14} {'trained tok/s':>13} {'vs full':>7} {'step s':>7} {'generation':>10} {'learner':>8} "
-          f"{'sync':>6} {'other':>6} {'learner tok/s':>13}   (medians over steps 2..)")
+          f"{'sync':>6} {'other':>6} {'learner s (median)':>18} {'learner tok/s':>13}   (steps 2..; seconds: means)")
     for name, s in table.items():
         ratio = s["trained_tokens_per_s"] / table["full"]["trained_tokens_per_s"] if "full" in table else float("nan")
-        print(f"{name:14} {s['trained_tokens_per_s']:>13.0f} {ratio:>7.2f} {s['step_s_median']:>7.3f} "
-              f"{s['generation_s_median']:>10.3f} {s['learner_s_median']:>8.3f} {s['sync_s_median']:>6.3f} "
-              f"{s['other_s_median']:>6.3f} {s['learner_tokens_per_s_median']:>13.0f}")
+        print(f"{name:14} {s['trained_tokens_per_s']:>13.0f} {ratio:>7.2f} {s['step_s_mean']:>7.3f} "
+              f"{s['generation_s_mean']:>10.3f} {s['learner_s_mean']:>8.3f} {s['sync_s_mean']:>6.3f} "
+              f"{s['other_s_mean']:>6.3f} {s['learner_s_median']:>18.3f} {s['learner_tokens_per_s_median']:>13.0f}")
     print(f"{'setting':14} {'seeds':>6} {'reward 1-5':>10} {'last 20%':>9} {'rise':>7} {'rise min..max':>14} "
           f"{'sync MB/step':>12} {'sync s/step':>11} {'train s/step':>12}")
     for name, s in table.items():

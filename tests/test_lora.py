@@ -5,7 +5,7 @@ a real TorchEngine fed through the learner's own bucket export, real peft (injec
 learner, PeftModel.from_pretrained on the exported adapter directory), the real run-checkpoint writer
 and `async-april export`. Adapters start at B = 0 (the base model), so every test trains a few steps
 at a high learning rate first: the adapters then change the logprobs by far more than the tolerances.
-Just over 400 lines: one feature, end to end.
+About 500 lines: one feature, end to end (its learner, engine, exports, config, dropout and forward).
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def test_lean_forward_is_pefts_forward_in_values_and_gradients(model_path, dropo
     from learners.lora import apply_lora
 
     lc = config_from_dict({"learner": {"lora": {**LORA, "rank": 4, "dropout": dropout}}}).learner.lora
-    lean, plain = (apply_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64), lc).train() for _ in range(2))
+    lean, plain = (apply_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64), lc).train()
+                   for _ in range(2))
     g = torch.Generator().manual_seed(0)
     for name, p in lean.named_parameters():
         if ".lora_B." in name:

@@ -117,8 +117,9 @@ class LoraConfig(Section):
     @model_validator(mode="after")
     def _check_switch(self) -> "LoraConfig":
         # A LoRA key set without the switch would train every weight and ignore the key. verl switches LoRA
-        # on by `lora_rank > 0` (verl/workers/config/model.py, HFModelConfig: default 0), but `rank` has a default here, so the half-set section is refused instead;
-        # an explicit `enabled: false` (a LoRA config switched off by an override) is a knowing choice.
+        # on by `lora_rank > 0` (verl/workers/config/model.py, HFModelConfig: default 0), but `rank` has a
+        # default here, so the half-set section is refused instead; an explicit `enabled: false` (a LoRA
+        # config switched off by an override) is a knowing choice.
         # model_fields_set: the keys the user's YAML / overrides gave (pydantic), not the defaults.
         if self.enabled or "enabled" in self.model_fields_set:
             return self
