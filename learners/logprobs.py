@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from learners.chunked_logprobs import LogprobRequest, logprob_request
+from learners.packed_attention import forward_kwargs
 
 CHUNK_TOKENS = 2048
 """Positions per chunk in `token_logprobs`: bounds the fp32 [chunk, vocab] temporaries."""
@@ -98,6 +99,8 @@ class MicroBatch:
     """Packed only: [n] the packed positions that predict a response token, row by row."""
     resp_slot: torch.Tensor | None = None
     """Packed only: [n] where each of those tokens sits in the flattened [B, Tresp] response tensors."""
+    seq_lens: tuple[int, ...] | None = None
+    """Packed only: each row's length, host ints, for the attention of every layer (learners/packed_attention.py)."""
 
     @property
     def packed(self) -> bool:
@@ -176,6 +179,7 @@ def _packed(mb: MicroBatch, input_ids, prompt_lens, behavior_logprobs, t) -> Mic
     return dataclasses.replace(
         mb, input_ids=t(ids), attention_mask=t(np.ones_like(ids)), position_ids=t(pos),
         pred_index=t(np.concatenate(pred).astype(np.int64)), resp_slot=t(np.concatenate(slot).astype(np.int64)),
+        seq_lens=tuple(lens),
     )  # fmt: skip
 
 
@@ -214,8 +218,10 @@ def _packed_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_
     shape = mb.response_mask.shape
     targets = mb.input_ids[:, mb.pred_index + 1]  # [1, n]
     with logprob_request(model, LogprobRequest(targets, temperature, with_entropy)) as req:
-        # No attention mask: transformers then reads the row boundaries from the restarting position ids.
-        model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.pred_index, use_cache=False)
+        # No attention mask: the row boundaries come from the restarting position ids (transformers) or, for
+        # sdpa_packed, from the row lengths handed to every layer once (packed_attention.forward_kwargs).
+        model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.pred_index, use_cache=False,
+              **forward_kwargs(model, mb.seq_lens))
     spread = lambda v: v.new_zeros(shape.numel()).index_copy(0, mb.resp_slot, v[0]).reshape(shape) * mb.response_mask
     out = spread(req.logprobs)
     return (out, spread(req.entropy)) if with_entropy else out

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from learners.chunked_logprobs import LogprobRequest, logprob_request
 from learners.logprobs import MicroBatch
+from learners.packed_attention import uses_sliding_window
 
 ATTN_NAME = "ulysses_sdpa"
 """The attention implementation registered with transformers' AttentionInterface."""
@@ -84,7 +85,7 @@ def setup(model: nn.Module, world_size: int, sp: int, device_type: str) -> Seque
     check_sequence_parallel(sp, world_size, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None))
     if sp == 1:
         return None
-    if getattr(cfg, "use_sliding_window", False):
+    if uses_sliding_window(cfg):
         raise ValueError("learner.sequence_parallel > 1 runs plain causal attention over the full sequence; this model "
                          "uses a sliding window. Set learner.sequence_parallel=1")
     if cfg._attn_implementation != "sdpa":

@@ -3,7 +3,7 @@
 A plain class: `LearnerGroup` wraps it in one Ray actor per rank, and it also
 runs under torchrun or in a single process (world_size=1) for tests. A little over 400 lines: one
 update loop and the rank state it owns; the maths is in learners/update.py, logprobs.py,
-chunked_logprobs.py, packed_attention.py and sequence_parallel.py, export in weight_export.py.
+chunked_logprobs.py, packed_attention.py, dropout.py and sequence_parallel.py, export in weight_export.py.
 
     train_step(batch):
         mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)
@@ -17,6 +17,8 @@ chunked_logprobs.py, packed_attention.py and sequence_parallel.py, export in wei
           rank; empty ones run a zero-loss forward)
           for each micro-batch: logprobs (grad) + entropy [+ proximal: precomputed, or logprobs.detach()
                                 with one mini-batch] [+ ref, no grad]
+                                [dropout on: values from an eval-mode forward, gradient from the train-mode
+                                 one (learners/dropout.py); proximal forwards in eval mode]
                                 loss = policy_loss(..., behaviour logprobs exactly as sampled)
                                 loss.backward()            FSDP2 reduce-scatters, SUM over ranks
           clip grad norm -> finite?  optimizer step  else skip it (zero grads)
@@ -42,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from async_april.errors import WeightsDivergedError
 from learners import checkpoint as ckpt
-from learners import lora, packed_attention
+from learners import dropout, lora, packed_attention
 from learners import sequence_parallel as seqpar
 from learners.chunked_logprobs import install_logprob_head
 from learners.hf_dir import write_hf_dir
@@ -113,6 +115,8 @@ class LearnerWorker(WeightExport):
         if attn == "sdpa" and lc.packing and lc.sequence_parallel == 1:
             attn = packed_attention.register()  # packed rows without a [T, T] mask (learners/packed_attention.py)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
+        if attn == packed_attention.ATTN_NAME:
+            packed_attention.check_model(model.config)  # plain causal within rows: no sliding window
         install_logprob_head(model)  # before the copy and FSDP2: logprobs come from the head, not full logits
         self.hf_config = model.config
         # Sequence parallelism (learners/sequence_parallel.py): Ulysses attention, rows sharded over "dp" only.
@@ -134,6 +138,7 @@ class LearnerWorker(WeightExport):
             offload_optimizer=lc.offload_optimizer,
         )
         self.ref_model = parallelize(ref, self.mesh, mixed_precision=gpu) if ref is not None else None
+        self._dropout = dropout.has_dropout(self.model)  # logprob values from an eval forward (learners/dropout.py)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=1e-8
         )
@@ -228,7 +233,8 @@ class LearnerWorker(WeightExport):
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_lp = self._logprobs(self.ref_model, mb, temperature)
-            logprobs, entropy = self._logprobs(self.model, mb, temperature, with_entropy=True)
+            logprobs, entropy = dropout.loss_logprobs(
+                lambda ent: self._logprobs(self.model, mb, temperature, with_entropy=ent), self.model, self._dropout)
             prox = mb.proximal_logprobs
             if prox is None and reads_prox:
                 # One update per batch: the pre-update (proximal) policy IS the current parameters,
@@ -246,7 +252,7 @@ class LearnerWorker(WeightExport):
             metrics["loss/entropy"] = entropy.sum() / mb.response_mask.sum().clamp(min=1)
             per_micro.append({k: float(v) for k, v in metrics.items()})
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._trained(), self.cfg.learner.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
@@ -278,7 +284,8 @@ class LearnerWorker(WeightExport):
         gradient were finite (settings the schema admits but the maths does not: an enormous weight
         decay, lr x weight_decay > 1, a bf16 overflow). Raised before anything is saved or broadcast,
         so the last checkpoint and the engines keep the last finite weights."""
-        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in self.model.parameters())
+        # Only what the optimizer updates can have changed (LoRA: a frozen base read every step for nothing).
+        local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in self._trained())
         if self._all_reduce_int(int(local), dist.ReduceOp.MIN):
             return
         lc = self.cfg.learner
@@ -288,6 +295,10 @@ class LearnerWorker(WeightExport):
             f"(learner.lr={lc.lr:g}, learner.weight_decay={lc.weight_decay:g}, learner.betas={tuple(lc.betas)}); "
             "stopped before saving or broadcasting them, the last checkpoint is intact. Lower learner.lr or "
             "learner.weight_decay, then resume with run.resume=auto")
+
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (LoRA: the adapters; a frozen parameter has no gradient)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _count_bad_step(self, last: dict[str, float]) -> None:
         """A rollout batch none of whose optimizer steps could be taken: one more consecutive bad step
@@ -308,7 +319,7 @@ class LearnerWorker(WeightExport):
         groups = pack_micro_batches(lengths, self.cfg.learner.max_tokens_per_microbatch, self._packed)
         n_micro = self._all_reduce_int(len(groups), dist.ReduceOp.MAX)
         prox: list[np.ndarray | None] = [None] * len(local)
-        with torch.no_grad():
+        with torch.no_grad(), dropout.deterministic(self.model):  # the sampled policy: no dropout
             for i in range(n_micro):
                 if i >= len(groups):
                     self.model(input_ids=torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device), use_cache=False)
@@ -337,9 +348,11 @@ class LearnerWorker(WeightExport):
 
     def _zero_loss_backward(self) -> None:
         dummy = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
-        if self.ref_model is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.ref_model is not None:
                 self.ref_model(input_ids=dummy, use_cache=False)
+            if self._dropout:  # as many forwards as a real micro-batch (dropout.loss_logprobs): collectives in step
+                self.model(input_ids=dummy, use_cache=False)
         logits = self.model(input_ids=dummy, use_cache=False).logits
         (logits.float().sum() * 0.0).backward()
 

@@ -83,3 +83,19 @@ def test_config_module_imports_without_torch_or_ray():
 
 def test_configuration_docs_are_up_to_date():
     assert docs_main(["--check"]) == 0, "run: python -m async_april.config_docs"
+
+
+def test_lora_keys_without_the_switch_are_refused(tmp_path):
+    """learner.lora.rank=8 alone used to train every weight silently. Refused on both paths (override and
+    YAML) in one line naming both keys; `enabled: true` or an explicit `enabled: false` (a LoRA config
+    switched off) is fine, and a saved config (every key written) loads back."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/tiny_cpu.yaml", ["learner.lora.rank=8"])
+    assert "learner.lora.rank is set without learner.lora.enabled=true" in str(e.value) and "\n" not in str(e.value)
+    half = tmp_path / "half.yaml"
+    half.write_text(f"defaults: [{REPO}/configs/tiny_cpu.yaml]\nlearner:\n  lora: {{rank: 8, alpha: 16}}\n")
+    with pytest.raises(ConfigError, match=r"learner.lora.alpha, learner.lora.rank are set without learner.lora.enabled=true"):
+        load_config(half)
+    assert load_config(half, ["learner.lora.enabled=true"]).learner.lora.rank == 8
+    off = load_config(REPO / "configs/tiny_cpu_lora.yaml", ["learner.lora.enabled=false"])
+    assert not off.learner.lora.enabled and load_config(save_config(off, tmp_path / "run")) == off

@@ -5,7 +5,7 @@ a real TorchEngine fed through the learner's own bucket export, real peft (injec
 learner, PeftModel.from_pretrained on the exported adapter directory), the real run-checkpoint writer
 and `async-april export`. Adapters start at B = 0 (the base model), so every test trains a few steps
 at a high learning rate first: the adapters then change the logprobs by far more than the tolerances.
-Just over 400 lines: one feature, end to end.
+About 500 lines: one feature, end to end (its learner, engine, exports, config, dropout and forward).
 """
 
 from __future__ import annotations
@@ -167,6 +167,81 @@ def test_resumed_lora_run_equals_uninterrupted(model_path, tmp_path):
     with local_worker(cfg, model_path) as w:
         with pytest.raises(Exception, match="another base model"):
             w.load_checkpoint(str(ck))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lean_forward_is_pefts_forward_in_values_and_gradients(model_path, dropout):
+    """learners/lora.py `lean_forward` (three ops per adapted Linear instead of peft's module calls, multiply
+    and add) computes peft's lora.Linear.forward: float64 logits and every adapter's gradient to 1e-12, with
+    dropout drawing the same masks. Every adapted module runs it; a merged module goes back to peft's."""
+    from peft.tuners.lora import Linear
+    from transformers import AutoModelForCausalLM
+
+    from async_april.config import config_from_dict
+    from learners.lora import apply_lora
+
+    lc = config_from_dict({"learner": {"lora": {**LORA, "rank": 4, "dropout": dropout}}}).learner.lora
+    lean, plain = (apply_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64), lc).train()
+                   for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    for name, p in lean.named_parameters():
+        if ".lora_B." in name:
+            p.data.normal_(generator=g)  # B = 0 at the start would hide the adapters
+    plain.load_state_dict(lean.state_dict())
+    adapted = [m for m in plain.modules() if isinstance(m, Linear)]
+    assert len(adapted) == 2 * 7 and all("forward" in m.__dict__ for m in adapted)
+    for m in adapted:
+        del m.forward  # back to peft's own
+    ids = torch.randint(1, 10, (2, 9), generator=g)
+    out = {}
+    for key, model in (("lean", lean), ("peft", plain)):
+        torch.manual_seed(1)
+        logits = model(input_ids=ids).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
+        out[key] = logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(out["lean"][0], out["peft"][0], atol=1e-12, rtol=0)
+    assert out["lean"][1].keys() == out["peft"][1].keys()
+    for n, grad in out["lean"][1].items():
+        torch.testing.assert_close(grad, out["peft"][1][n], atol=1e-12, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
+    q = lean.get_submodule("model.layers.0.self_attn.q_proj")
+    q.merge()
+    with torch.no_grad():
+        x = torch.randn(3, q.in_features, dtype=torch.float64, generator=g)
+        torch.testing.assert_close(q(x), q.base_layer(x), atol=0, rtol=0)  # merged: peft's path, no double add
+
+
+def test_dropout_acts_in_the_gradient_only(model_path):
+    """learner.lora.dropout=0.1 (rank 4, as the review measured): after training (B != 0, so the adapters
+    matter) two proximal forwards of one set of weights agree bit for bit, and behaviour logprobs equal to the
+    learner's own give an on-policy ratio of exactly 1 in the training forward (before the fix: dropout in both,
+    ratio 0.968..1.084). The dropout still acts, in the gradient: from one set of weights, dropout 0.1 and 0 give
+    the same loss and different gradients. Every forward stays collective: a rank's padding micro-batch runs as
+    many forwards as a real one (learners/dropout.py)."""
+    import dataclasses
+
+    cfg = lora_cfg(dropout=0.1, rank=4)
+    with local_worker(cfg, model_path) as w:
+        trained(w, model_path)
+        batch = make_batch(model_path, seed=40)
+        first, again = w._with_proximal(batch).proximal_logprobs, w._with_proximal(batch).proximal_logprobs
+        assert all(np.array_equal(a, b) for a, b in zip(first, again))
+        m = w.train_step(dataclasses.replace(batch, behavior_logprobs=first))
+        assert m["is/weight_max"] == pytest.approx(1.0, abs=1e-6) and m["is/weight_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert m["loss/approx_kl"] < 1e-12 and m["loss/clip_frac"] == 0.0
+        calls = []
+        handle = w.model.register_forward_pre_hook(lambda *_: calls.append(1))
+        w.train_step(batch.select([0]))
+        real, calls[:] = len(calls), []
+        w._zero_loss_backward()
+        handle.remove()
+        assert real == len(calls) == 2
+    fresh = make_batch(model_path, seed=41)
+    steps = {}
+    for p in (0.0, 0.1):  # B = 0 at the start: identical weights and values whatever the dropout
+        with local_worker(lora_cfg(dropout=p, rank=4), model_path) as w:
+            steps[p] = w.train_step(fresh)
+    assert steps[0.1]["loss/total"] == steps[0.0]["loss/total"]
+    assert abs(steps[0.1]["train/grad_norm"] - steps[0.0]["train/grad_norm"]) > 1e-3 * steps[0.0]["train/grad_norm"]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from learners.logprobs import collate, response_logprobs, token_entropy, token_l
 from learners.update import pack_micro_batches
 from tests.test_learner import (  # noqa: F401
     TEMPERATURE,
+    free_port,
     local_worker,
     make_batch,
     make_cfg,
@@ -253,3 +254,57 @@ def test_packed_sdpa_attends_row_by_row_without_a_full_mask(model_path, monkeypa
     assert max(q for q, *_ in seen) < sum(len(x) for x in ids)
     assert all(unmasked for _, unmasked, _ in seen)
     assert packed_attention.segment_lengths(torch.tensor([[0, 1, 2, 0, 0, 1]])) == [3, 1, 2]
+
+
+HOST_SYNCS = ("tolist", "item", "__int__", "__bool__", "__index__", "__float__")
+"""Tensor methods that read a value back to the host (a device sync on GPU)."""
+
+
+def test_packed_sdpa_reads_the_row_lengths_once_per_forward_not_per_layer(model_path, tmp_path, monkeypatch):  # noqa: F811
+    """The row lengths of a packed micro-batch are known on the host when it is collated: every layer gets
+    them from the forward's kwargs (packed_attention.forward_kwargs), so a packed forward reads nothing
+    back from the device per layer (before: one `.tolist()` of the segment lengths per layer)."""
+    from async_april.models import build_random_tiny_model
+
+    deeper = build_random_tiny_model(tmp_path / "deeper", seed=0, hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    counts: dict[str, int] = {}
+    for name in HOST_SYNCS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_depth = {}
+    for path in (model_path, deeper):
+        model = tiny_model(str(path), attn="sdpa_packed")
+        ids, plens, blp, adv, *_ = ragged_rows(model.config.vocab_size, seed=2)
+        mb = collate(ids, plens, blp, adv, packed=True)
+        counts.clear()
+        with torch.no_grad():
+            response_logprobs(model, mb, TEMPERATURE)
+        per_depth[model.config.num_hidden_layers] = dict(counts)
+    assert per_depth[2] == per_depth[4] and per_depth[4].get("tolist", 0) == 0, per_depth
+
+
+def test_packed_sdpa_refuses_a_sliding_window_model(tmp_path):
+    """sdpa_packed runs plain causal attention within each row, so a sliding-window model is refused when the
+    learner starts, as sequence parallelism refuses it (learners/sequence_parallel.py), naming the fix."""
+    import torch.distributed as dist
+
+    from async_april.errors import UserError
+    from async_april.models import build_random_tiny_model
+    from learners.worker import LearnerWorker
+
+    path = build_random_tiny_model(tmp_path / "swa", seed=0, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=4, max_window_layers=0)
+    try:
+        with pytest.raises(UserError, match=r"sliding window.*learner.packing=false") as e:
+            LearnerWorker(make_cfg(), str(path), 0, 1, "127.0.0.1", free_port())
+    finally:
+        if dist.is_initialized():  # the refusal comes after the rank joined its group
+            dist.destroy_process_group()
+    assert "\n" not in str(e.value)

@@ -102,17 +102,34 @@ LORA_TARGETS_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", 
 
 class LoraConfig(Section):
     enabled: bool = False
-    """Train LoRA adapters (peft) on a frozen base instead of every weight (docs/learner.md, LoRA)."""
+    """Train LoRA adapters (peft) on a frozen base instead of every weight (docs/learner.md, LoRA). The switch: any other `learner.lora` key set without `enabled: true` is refused (it would be ignored); `enabled: false` turns a LoRA config off."""
     rank: int = Field(16, ge=1, le=4096)
     """Adapter rank r: each target `W` (out x in) gains `B @ A` with A r x in, B out x r."""
     alpha: float = Field(32.0, gt=0.0)
     """LoRA alpha: the update is scaled by alpha / rank."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on the adapters' input during training (none at generation; the engines see merged weights)."""
+    """Dropout on the adapters' input, in the gradient only: every logprob value (the loss's ratios, proximal, reference, entropy) comes from a forward without dropout, the policy the engines sample (they run merged weights); costs one more no-grad forward per micro-batch (learners/dropout.py)."""
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS_ALL_LINEAR), min_length=1)
     """Module names (suffixes, as peft matches them) that get adapters; the default is every linear layer of a decoder block."""
     sync: Literal["auto", "adapter", "merged"] = "auto"
     """What goes to the engines each version: the adapter factors (the torch engine merges them into its kept base weights), or merged full weights through the usual routes (SGLang). auto: adapter for the torch engine, merged otherwise (docs/learner.md has the measurement)."""
+
+    @model_validator(mode="after")
+    def _check_switch(self) -> "LoraConfig":
+        # A LoRA key set without the switch would train every weight and ignore the key. verl switches LoRA
+        # on by `lora_rank > 0` (verl/workers/config/model.py, HFModelConfig: default 0), but `rank` has a
+        # default here, so the half-set section is refused instead; an explicit `enabled: false` (a LoRA
+        # config switched off by an override) is a knowing choice.
+        # model_fields_set: the keys the user's YAML / overrides gave (pydantic), not the defaults.
+        if self.enabled or "enabled" in self.model_fields_set:
+            return self
+        given = sorted(self.model_fields_set)
+        if given:
+            keys = ", ".join(f"learner.lora.{k}" for k in given)
+            verb = "is" if len(given) == 1 else "are"
+            raise ValueError(f"{keys} {verb} set without learner.lora.enabled=true: LoRA is off by default, so every "
+                             f"weight would train and {keys} would be ignored; set learner.lora.enabled=true, or remove {keys}")
+        return self
 
 
 class LearnerConfig(Section):
