@@ -100,7 +100,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="aa-bench-"))
     n_params = build_model(tmp / "model")
-    ray.init(num_cpus=max(4, max(args.world_sizes) + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, max(args.world_sizes) + 2), include_dashboard=False, log_to_driver=False)
     batch = make_batch(rows=8, prompt=32, response=32)
     results: dict = {"params_m": n_params / 1e6, "model": MODEL, "learner": [], "sync": [],
                      "batch": {"rows": 8, "tokens_per_row": 64}, "threads_per_rank": 1}

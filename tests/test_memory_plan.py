@@ -202,7 +202,7 @@ def test_sglang_engines_on_the_learners_gpu_start_before_the_learner(tmp_path):
 
     repo = Path(__file__).resolve().parent.parent
     assert not ray.is_initialized()
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}})
     try:
         for name, split in [("shared", ["learner.gpus_per_rank=0.5", "rollout.gpus_per_actor=0.5"]),
