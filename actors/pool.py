@@ -5,7 +5,9 @@
               kill what is left of the actor, store.release_actor(id) (its leases go back to the
               store as the store last saw them; partials resume first), count it, and start a
               replacement that loads the learner's current weights and version before it leases
-              (up to rollout.max_actor_restarts for the whole run; then the others carry on).
+              (up to rollout.max_actor_restarts for the whole run, rebuilds and resumes included; then
+              the others carry on). A replacement that dies while starting is one more engine death
+              (counted, replaced again within the budget), never the run's.
               A RewardError (reward.on_error=stop) is not an actor fault: the run stops with it.
               A replacement the cluster has no room for (its node is gone) waits as *pending*, with a
               message, and joins once Ray places it.
@@ -26,6 +28,7 @@ from typing import Any, Callable
 
 from async_april.config import Config
 from async_april.cpu_pinning import CpuPlan
+from async_april.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +45,24 @@ class NoGenerationActorsError(RuntimeError):
     """Every generation actor died and the restart budget is spent."""
 
 
+class PlacementTimeoutError(UserError):
+    """Generation actors found no room on the cluster within run.placement_timeout_s."""
+
+
 class ActorPool:
     def __init__(self, cfg: Config, store, model_path: str, load_weights: Callable[[list], Any] | None = None,
-                 cpu_plan: "CpuPlan | None" = None):
+                 cpu_plan: "CpuPlan | None" = None, restarts_before: int = 0):
         """`load_weights(handles)` pushes the learner's current weights and version to new actors;
-        with `cpu_plan` (run.pin_cpus) each actor, replacements included, gets a core of its own."""
+        with `cpu_plan` (run.pin_cpus) each actor, replacements included, gets a core of its own;
+        `restarts_before`: replacements this run started before this pool (earlier rebuilds, the resumed
+        checkpoint's count), which rollout.max_actor_restarts counts too."""
         self.cfg, self.store, self.model_path = cfg, store, model_path
         self.load_weights = load_weights
         self.cpu_plan = cpu_plan
         self.actors: dict[str, Any] = {}
         self.loops: dict[str, Any] = {}
-        self.restarts = 0
+        self.restarts = restarts_before
+        """Replacements started over the whole run (rollout/actor_restarts)."""
         self.failures = 0
         self._next = 0
         self.pending: dict[str, tuple[Any, Any, float]] = {}
@@ -66,22 +76,41 @@ class ActorPool:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, n: int) -> None:
-        """Create and start `n` actors; their loops start with `start_loops` (after weights are loaded)."""
+        """Create and start `n` actors; their loops start with `start_loops` (after weights are loaded).
+        Actors the cluster has found no room for within run.placement_timeout_s stop the start with
+        PlacementTimeoutError naming them and what each needs (rather than waiting for ever)."""
         import ray
 
         from async_april.console import stage
 
+        from async_april.placement import is_placed
+
         new = [self._spawn() for _ in range(n)]
         pending = [self.actors[i].start.remote() for i in new]
         refs = list(pending)
+        t0 = time.monotonic()
         with stage(f"starting {n} {self.cfg.rollout.engine} engine(s)", total=n, unit="engine") as bar:
             while pending:  # an SGLang server can take minutes: say what it is waiting for
                 done, pending = ray.wait(pending, timeout=1.0)
                 bar.update(len(done))
                 if pending:
                     bar.set_postfix_str(self._startup_notes(new))
+                    if time.monotonic() - t0 > self.cfg.run.placement_timeout_s:
+                        if unplaced := [i for i in new if not is_placed(self.actors[i])]:
+                            for i in unplaced:  # never placed: nothing to stop, and a stop() call would wait on it
+                                ray.kill(self.actors.pop(i), no_restart=True)
+                            raise PlacementTimeoutError(self._no_room(unplaced))
         ray.get(refs)
         self._pin(new)
+
+    def _no_room(self, actor_ids: list[str]) -> str:
+        from async_april.placement import free_resources_line
+
+        gpus = f", GPU {self.cfg.rollout.gpus_per_actor:g}" if self.cfg.rollout.gpus_per_actor else ""
+        return (f"{len(actor_ids)} generation actor(s) ({', '.join(actor_ids)}) found no room on the cluster in "
+                f"run.placement_timeout_s={self.cfg.run.placement_timeout_s:g} s (each needs CPU 1{gpus}, "
+                f"placement.generation={self.cfg.placement.generation}; {free_resources_line()}); add or free nodes, "
+                "or lower rollout.num_actors")
 
     def _startup_notes(self, actor_ids: list[str]) -> str:
         import ray
@@ -261,23 +290,39 @@ class ActorPool:
         self.events.append({"t": time.time(), "event": f"died ({reason})", "actor": actor_id})
         if self.elastic:  # grow() replaces it where there is room: the pool shrinks rather than waits
             return
-        if self.restarts >= self.cfg.rollout.max_actor_restarts:
-            log.warning("not restarting %s: rollout.max_actor_restarts=%d reached; continuing on %d actor(s)",
-                        actor_id, self.cfg.rollout.max_actor_restarts, len(self.actors))
+        self._replace(actor_id)
+
+    def _replace(self, dead_id: str) -> None:
+        """Start a replacement for `dead_id` within rollout.max_actor_restarts; one that dies while starting
+        (its process, or an engine error) is handled as one more engine death and replaced in turn."""
+        import ray
+
+        budget = self.cfg.rollout.max_actor_restarts
+        while self.restarts < budget:
+            self.restarts += 1
+            if self.room() < 1:  # its node is gone and the others are full: start it when Ray can place it
+                new_id = self._start_pending(f"replaces {dead_id}")
+                log.warning("%s will replace %s once a node has room (restart %d of %d)", new_id, dead_id,
+                            self.restarts, budget)
+                return
+            new_id = self._spawn()
+            try:
+                ray.get(self.actors[new_id].start.remote())
+                self._pin([new_id])
+                if self.load_weights is not None:
+                    self.load_weights([self.actors[new_id]])  # current weights + version BEFORE any lease
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:  # the engine's, not the learner's
+                ray.kill(self.actors.pop(new_id), no_restart=True)
+                ray.get(self.store.call.remote("release_actor", new_id))  # counted as a failure; it held no leases
+                self.failures += 1
+                self.events.append({"t": time.time(), "event": f"died while starting ({_short(e)})", "actor": new_id})
+                log.warning("%s, replacing %s, died while starting (%s)", new_id, dead_id, _short(e))
+                dead_id = new_id
+                continue
+            log.warning("started %s to replace %s (restart %d of %d)", new_id, dead_id, self.restarts, budget)
             return
-        self.restarts += 1
-        if self.room() < 1:  # its node is gone and the others are full: start it when Ray can place it
-            new_id = self._start_pending(f"replaces {actor_id}")
-            log.warning("%s will replace %s once a node has room (restart %d of %d)", new_id, actor_id,
-                        self.restarts, self.cfg.rollout.max_actor_restarts)
-            return
-        new_id = self._spawn()
-        ray.get(self.actors[new_id].start.remote())
-        self._pin([new_id])
-        if self.load_weights is not None:
-            self.load_weights([self.actors[new_id]])  # current weights + version BEFORE any lease
-        log.warning("started %s to replace %s (restart %d of %d)", new_id, actor_id, self.restarts,
-                    self.cfg.rollout.max_actor_restarts)
+        log.warning("not restarting %s: rollout.max_actor_restarts=%d reached for this run; continuing on %d actor(s)",
+                    dead_id, budget, len(self.actors))
 
     # -- calls that tolerate a death ------------------------------------------------------------
     def wait_for_batch(self, poll_s: float = 1.0, stop: Callable[[], bool] | None = None):
@@ -370,8 +415,10 @@ class ActorPool:
         return {k: float(sum(m.get(k, 0.0) for m in self._last.values())) for k in keys}
 
     def metrics(self) -> dict[str, float]:
+        """rollout/actors_alive: running (engine up, generating); rollout/actors: what the pool holds now,
+        running or starting (alive + pending: replacements waiting for room, elastic joiners loading)."""
         return {"rollout/actor_restarts": self.restarts, "rollout/actors_alive": len(self.actors),
-                "rollout/actors": len(self.actors), "rollout/actors_pending": len(self.pending)}
+                "rollout/actors": len(self.actors) + len(self.pending), "rollout/actors_pending": len(self.pending)}
 
 
 def _short(e: BaseException) -> str:

@@ -82,6 +82,30 @@ def room_for(spec: str, cpus: float, gpus: float) -> int:
     return total
 
 
+def is_placed(handle) -> bool:
+    """Whether Ray has given the actor a worker process (its constructor may still be running): until then
+    the GCS's actor table lists it PENDING_CREATION with no worker address (Port 0; ray/_private/state.py
+    `actor_table`, the record tests/test_multinode.py reads too)."""
+    from ray._private.state import state
+
+    try:
+        entry = state.actor_table(handle._actor_id.hex())
+    except Exception:  # noqa: BLE001 - no answer: never time out on a guess
+        return True
+    return entry.get("State") != "PENDING_CREATION" or bool((entry.get("Address") or {}).get("Port"))
+
+
+def free_resources_line() -> str:
+    """The live nodes' free CPUs and GPUs right now, for an error that says why something found no room."""
+    free = _available_per_node()
+    parts = []
+    for n in nodes_summary():
+        avail = free.get(n["node_id"], {})
+        parts.append(f"{n['node_id'][:8]} CPU {avail.get('CPU', 0.0):g}" +
+                     (f", GPU {avail.get('GPU', 0.0):g} of {n['resources']['GPU']:g}" if n["resources"].get("GPU") else ""))
+    return "free now: " + ("; ".join(parts) or "no live node")
+
+
 def _available_per_node() -> dict[str, dict[str, float]]:
     """Free resources per node id (Ray's own per-node view)."""
     from ray._private.state import state

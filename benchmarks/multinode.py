@@ -97,7 +97,7 @@ def bench_failure(cluster: LocalCluster, tmp: Path, steps: int) -> dict:
             "steps_per_s_before": steps_per_s(before), "steps_per_s_after": steps_per_s(after),
             "ratio_after_before": steps_per_s(after) / steps_per_s(before),
             "tokens_per_s_before": tokens_per_s(before, 0), "tokens_per_s_after": tokens_per_s(after, 0),
-            "actors_before": before[-1]["rollout/actors"], "actors_after": after[-1]["rollout/actors"],
+            "actors_before": before[-1]["rollout/actors_alive"], "actors_after": after[-1]["rollout/actors_alive"],
             "pending_after": after[-1]["rollout/actors_pending"],
             "first_step_after_s": after[0]["timing_s/step"], "staleness_max": max(r["staleness/max"] for r in rows)}
 

@@ -23,6 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from async_april.errors import UserError
 from async_april.network import ifname_env
 from async_april.weight_buckets import TensorSpec, broadcast_backend, plan_buckets
 from learners.worker import INJECT_NAN_ENV, LearnerWorker
@@ -36,6 +37,10 @@ class LearnerLostError(RuntimeError):
     """A learner rank's actor died (process or node lost): the group must be rebuilt from a checkpoint."""
 
 
+class LearnerPlacementError(UserError):
+    """The learner's placement group found no room within run.placement_timeout_s."""
+
+
 def _node_ip_and_free_port() -> tuple[str, int]:
     ip = ray.util.get_node_ip_address()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -46,7 +51,7 @@ def _node_ip_and_free_port() -> tuple[str, int]:
 class LearnerGroup:
     """`world_size` LearnerWorker actors sharing one FSDP2 process group."""
 
-    def __init__(self, cfg: "Config", model_path: str, *, ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, cfg: "Config", model_path: str) -> None:
         self.cfg = cfg
         lc = cfg.learner
         self.world_size = lc.world_size
@@ -55,13 +60,17 @@ class LearnerGroup:
         from async_april.placement import group_options
 
         self.pg = placement_group(**group_options(cfg.placement.learner, [dict(bundle) for _ in range(self.world_size)]))
+        timeout_s = cfg.run.placement_timeout_s
         try:
-            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            ray.get(self.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
+            from async_april.placement import free_resources_line
+
             remove_placement_group(self.pg)
-            raise RuntimeError(f"the learner's {self.world_size} rank(s) ({bundle} each, placement.learner="
-                               f"{cfg.placement.learner}) found no room on the cluster in {ready_timeout_s:g} s; "
-                               "free or add nodes, or change placement.learner") from None
+            raise LearnerPlacementError(
+                f"the learner's {self.world_size} rank(s) ({', '.join(f'{k} {v:g}' for k, v in bundle.items())} each, "
+                f"placement.learner={cfg.placement.learner}) found no room on the cluster in run.placement_timeout_s="
+                f"{timeout_s:g} s ({free_resources_line()}); free or add nodes, or change placement.learner") from None
 
         def on(i: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
@@ -112,6 +121,16 @@ class LearnerGroup:
             self.lost = True
             raise
 
+    def raise_if_lost(self, timeout_s: float = 10.0) -> None:
+        """LearnerLostError naming the first rank whose actor is dead; returns if every rank answers. Asked
+        when a call on other actors failed in a way a rank's death also causes (engines fetching buckets
+        that rank 0 owns), so that the death is blamed on the actor that died."""
+        refs = [w.__ray_call__.remote(lambda self: None) for w in self.workers]
+        try:
+            self._check_alive(refs)
+            ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            return  # busy, not dead: the caller's own error stands
     @property
     def version(self) -> int:
         self.wait_ready()
@@ -200,7 +219,9 @@ class LearnerGroup:
 
 
 def _raise_first_death(refs: list) -> None:
-    """Wait for `refs` in completion order; the first from a dead rank raises LearnerLostError."""
+    """Wait for `refs` (one per rank, in rank order) in completion order; the first from a dead rank
+    raises LearnerLostError naming that rank."""
+    rank_of = {r: i for i, r in enumerate(refs)}
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -208,6 +229,6 @@ def _raise_first_death(refs: list) -> None:
             ray.get(done)
         except ray.exceptions.RayActorError as e:
             text = str(e).strip().splitlines()
-            raise LearnerLostError(f"a learner rank died ({type(e).__name__}: {text[-1] if text else ''})"[:400]) from None
+            raise LearnerLostError(f"learner rank {rank_of[done[0]]} died ({type(e).__name__}: {text[-1] if text else ''})"[:400]) from None
         except Exception:  # noqa: BLE001 - a rank's own error is raised by the caller's ray.get, in rank order
             return

@@ -39,6 +39,9 @@ class SimulatedLearner:
     def weight_buckets(self, bucket_mb: float) -> list:
         return []
 
+    def raise_if_lost(self) -> None:
+        """In this process: it cannot be lost without the driver (learners/group.py has the real check)."""
+
     def shutdown(self) -> None:
         pass
 

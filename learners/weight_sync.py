@@ -73,6 +73,28 @@ class WeightSyncer:
         import ray
 
         t0 = time.perf_counter()
+        try:
+            nbytes, n_buckets = self._send(learner_group, engine_actors, version)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            # Engines fail too when a learner rank dies under them (rank 0 owns the object-store buckets
+            # they fetch; the NCCL broadcast's sender): blame the rank, so that no engine is retired for it.
+            learner_group.raise_if_lost()
+            raise
+        dt = time.perf_counter() - t0
+        out = {
+            "timing_s/weight_sync": dt,
+            "perf/weight_sync_mb_per_s": nbytes / MB / dt if dt > 0 else 0.0,
+            "weight_sync/mb": nbytes / MB,
+            "weight_sync/buckets": float(n_buckets),
+        }
+        if self.transport == "nccl":
+            out["weight_sync/group_reforms"] = float(self.group.reforms)
+        return out
+
+    def _send(self, learner_group: "LearnerGroup", engine_actors: list, version: int) -> tuple[int, int]:
+        """The transport's own path; returns (bytes, buckets) sent."""
+        import ray
+
         if self.transport == "object_store":
             refs = learner_group.weight_buckets(self.bucket_mb)
             ray.get([a.update_weights.remote(refs, version) for a in engine_actors])
@@ -97,13 +119,4 @@ class WeightSyncer:
                 self.group.valid = False  # a member failed part way: the next push forms the group again
                 raise
             nbytes, n_buckets = sum(s.nbytes for b in plan for s in b), len(plan)
-        dt = time.perf_counter() - t0
-        out = {
-            "timing_s/weight_sync": dt,
-            "perf/weight_sync_mb_per_s": nbytes / MB / dt if dt > 0 else 0.0,
-            "weight_sync/mb": nbytes / MB,
-            "weight_sync/buckets": float(n_buckets),
-        }
-        if self.transport == "nccl":
-            out["weight_sync/group_reforms"] = float(self.group.reforms)
-        return out
+        return nbytes, n_buckets

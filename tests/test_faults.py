@@ -69,36 +69,49 @@ def assert_each_prompt_once(state: dict) -> None:
 
 # --------------------------------------------------------------------------- the store lost
 # (A generation actor's death, and its node's: tests/test_multinode.py, on a real multi-node cluster.)
-def test_the_store_killed_mid_run_is_restored_from_the_last_checkpoint(cluster, tmp_path, capsys):
+def test_the_store_killed_mid_run_is_restored_from_the_last_checkpoint(cluster, tmp_path, capsys, caplog):
     """The RolloutStoreActor killed (`ray.kill`) after step 3 is trained, before its checkpoint: with
-    run.max_restarts=1 the run rebuilds itself (store, learner, actors) from step 2's checkpoint,
-    trains step 3 again and finishes with each step once and every prompt trained once; with
-    run.max_restarts=0 it ends with RunStateLost and the command that resumes it."""
+    run.max_restarts=1 the run rebuilds itself (store, learner, actors) from step 2's checkpoint, saying
+    that the store died, trains step 3 again and finishes with each step once and every prompt trained
+    once; with run.max_restarts=0 it ends with RunStateLost and the command that resumes it.
+    rollout.max_actor_restarts=1 is for the whole run (issue 37 item 6): gen0 is killed at step 2 and
+    replaced at step 3, after step 2's checkpoint; the rebuild from that checkpoint keeps the count (the
+    rows after it say 1, not 0), so the actor killed at step 4 is not replaced and the run ends on one."""
     import ray
 
     from async_april.launch.controller import RunStateLost
 
     base = ["rollout.num_actors=1", "checkpoint.every=1", "checkpoint.keep=5", "run.steps=4"]
-    cfg = make_cfg(tmp_path, *base, "run.max_restarts=1")
+    cfg = make_cfg(tmp_path, "rollout.num_actors=2", "rollout.max_actor_restarts=1", "checkpoint.every=1",
+                   "checkpoint.keep=6", "run.steps=5", "run.max_restarts=1")
     seen = {"steps": [], "stores": []}
 
     def on_step(step, batch, learner, pool):
         seen["steps"].append(step)
         seen["stores"].append(pool.store)
+        if step == 2:
+            pool.kill("gen0")  # handled at step 3: its replacement is the run's one restart
         if step == 3 and "killed" not in seen:
             seen["killed"] = pool.store
             ray.kill(pool.store)
+        if step == 4:
+            pool.kill(sorted(pool.actors)[0])  # the budget is spent: not replaced
 
+    caplog.set_level(logging.WARNING, logger="actors.pool")
     train(cfg, on_step=on_step)
-    assert seen["steps"] == [1, 2, 3, 3, 4], "step 3 trained again after the restart from step 2"
+    assert seen["steps"] == [1, 2, 3, 3, 4, 5], "step 3 trained again after the restart from step 2"
     assert seen["stores"][3] != seen["killed"], "the restarted run has a store of its own"
+    assert "run state lost (the rollout store died (" in capsys.readouterr().err
     out = rows(cfg)
-    assert [r["train/step"] for r in out] == [1, 2, 3, 4]
-    assert [r["run/restarts"] for r in out] == [0, 0, 1, 1]
-    assert [r["train/policy_version"] for r in out] == [1, 2, 3, 4]
+    assert [r["train/step"] for r in out] == [1, 2, 3, 4, 5]
+    assert [r["run/restarts"] for r in out] == [0, 0, 1, 1, 1]
+    assert [r["train/policy_version"] for r in out] == [1, 2, 3, 4, 5]
+    assert [r["rollout/actor_restarts"] for r in out] == [0, 0, 1, 1, 1], "the rebuild forgot the restart after step 2"
+    assert [r["rollout/actors_alive"] for r in out] == [2, 2, 2, 2, 1]
+    assert "rollout.max_actor_restarts=1 reached for this run; continuing on 1 actor(s)" in caplog.text
     state = store_state(CheckpointManager(cfg.run_dir).list()[-1])
     assert_each_prompt_once(state)
-    assert len(state["trained"]) == len(set(state["trained"])) == 4 * cfg.rollout.batch_groups
+    assert len(state["trained"]) == len(set(state["trained"])) == 5 * cfg.rollout.batch_groups
     capsys.readouterr()
 
     cfg0 = make_cfg(tmp_path, *base, "run.max_restarts=0", name="no_restarts")
@@ -107,7 +120,7 @@ def test_the_store_killed_mid_run_is_restored_from_the_last_checkpoint(cluster, 
         if step == 2:
             ray.kill(pool.store)
 
-    with pytest.raises(RunStateLost, match="rollout store was lost .*run.max_restarts=0 reached"):
+    with pytest.raises(RunStateLost, match="the rollout store died .*run.max_restarts=0 reached"):
         train(cfg0, on_step=kill_at_2)
     said = capsys.readouterr().err
     assert "run.resume=auto" in said and "step_00000001" in said and str(cfg0.run_dir) in said

@@ -155,13 +155,59 @@ def test_the_learners_node_killed_the_run_rebuilds_itself_from_its_checkpoint(cl
     assert len(state["trained"]) == len(set(state["trained"])) == 5 * cfg.rollout.batch_groups
 
 
+@pytest.mark.timeout(400)  # the code before the fix waited here for ever
+def test_the_learners_node_lost_in_a_gpu_layout_stops_naming_what_the_cluster_lacks(cluster, tmp_path):
+    """Issue 37 item 4, the 2 x 4-GPU recipe layout at half size: two nodes declaring 2 GPUs each (Ray
+    enforces declared GPUs as it does real ones), the learner's 2 ranks on one, the 2 one-GPU engines on
+    the other. The learner's node is lost after step 2. The rebuild used to place the learner first, on
+    the survivor's GPUs, and the engines' start then waited for ever; now it fits the layout to the live
+    nodes first, waits run.placement_timeout_s for a node to join, and stops with one line naming what is
+    missing, the checkpoint it kept (step 2's: the node goes in step 3's hook, before its save) and the
+    command that resumes."""
+    from async_april.launch.cluster import LayoutLost
+
+    cluster.restore()
+    g = [cluster.add(num_cpus=3, num_gpus=2, resources={f"gpu_node{i}": 1}) for i in (1, 2)]
+    cluster.wait_for_nodes()
+    cfg = make_cfg(cluster, tmp_path, "run.steps=4", "rollout.num_actors=2", "rollout.gpus_per_actor=1",
+                   "learner.world_size=2", "learner.device=auto", "checkpoint.every=1", "run.max_restarts=2",
+                   "run.placement_timeout_s=5")
+    seen = {}
+
+    def on_step(step, batch, learner):
+        if step == 3:
+            rec = json.loads((cfg.run_dir / "placement.json").read_text())
+            learner_nodes = {a["node_id"] for a in rec["actors"].values() if a["role"] == "learner"}
+            engine_nodes = {a["node_id"] for a in rec["actors"].values() if a["role"] == "generation"}
+            assert len(learner_nodes) == 1 and len(engine_nodes) == 1 and learner_nodes != engine_nodes, rec["actors"]
+            seen["killed"] = learner_nodes.pop()
+            cluster.remove(next(n for n in g if n.node_id == seen["killed"]), wait_dead=True)
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LayoutLost) as lost:
+            train(cfg, on_step=on_step)
+    finally:
+        for n in g:
+            if n.node_id != seen.get("killed"):
+                cluster.remove(n)
+    said = str(lost.value)
+    assert "generation: 2 x (CPU 1, GPU 1) needed, only 0 fit on the cluster's" in said, said
+    assert "learner rank" in said and "died" in said, said
+    assert "the checkpoint" in said and "step_00000002 is kept" in said and "run.resume=auto" in said, said
+    assert time.monotonic() - t0 < 300
+    assert [r["train/step"] for r in rows(cfg)][:2] == [1, 2]
+    assert CheckpointManager(cfg.run_dir).latest_valid().step == 2, "the last checkpoint is kept"
+
+
 @pytest.mark.slow
 def test_elastic_pool_grows_onto_a_joining_node_and_shrinks_when_it_leaves(cluster, tmp_path):
     """rollout.num_actors=1-3 on nodes declaring `elastic`: one such node (1 CPU) at the start; a second
     (2 CPUs) joins after step 2 and gets 2 actors at the next step (rollout/actors 1 -> 3 at step 3,
     once their engines started: the hook of step 3 waits for that, as steps here take 0.5 s and a
     fresh node's workers ~10 s to import torch); it is killed after step 6 and the pool falls back to
-    1 without an error. Staleness stays within eta; every prompt trained once."""
+    1 without an error. Staleness stays within eta; every prompt trained once. rollout/actors_alive
+    counts the running actors, rollout/actors the pool's (running and starting: 3 at step 3 already)."""
     cluster.restore()
     first = cluster.add(num_cpus=1, resources={"elastic": 1})
     cluster.wait_for_nodes()
@@ -187,12 +233,13 @@ def test_elastic_pool_grows_onto_a_joining_node_and_shrinks_when_it_leaves(clust
     finally:
         cluster.remove(first)
     out = rows(cfg)
-    actors = [r["rollout/actors"] for r in out]
+    actors = [r["rollout/actors_alive"] for r in out]
     assert [r["train/step"] for r in out] == list(range(1, 12))
     assert seen["pending_at_3"] == 2, "the step after the node joined, two actors were starting on it"
     assert actors[:6] == [1, 1, 1, 3, 3, 3], (actors, seen)
     assert actors[7:] == [1] * 4, actors
     assert [r["rollout/actors_pending"] for r in out][2] == 2
+    assert [r["rollout/actors"] for r in out][2] == 3, "running + pending"
     assert all(r["staleness/max"] <= 1 for r in out)
     state = store_state(CheckpointManager(cfg.run_dir).list()[-1])
     assert_each_prompt_once(state)

@@ -23,6 +23,8 @@ class RunConfig(Section):
     """Ray cluster address. None: join the cluster when run under `ray job submit`, else start an embedded one."""
     max_restarts: int = Field(2, ge=0, le=100)
     """Times the run rebuilds itself from its last checkpoint when a learner rank or the rollout store is lost (its node died): learner and store restored, generation actors restarted, the steps since that checkpoint trained again (nothing lost or trained twice). Needs a checkpoint (`checkpoint.every`); beyond it, or without one, the run ends with the command that resumes it."""
+    placement_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Longest the run waits for the cluster to have room for what it must place: the learner's ranks, the generation actors it starts with, and, after a lost node, the whole layout before the rebuild (nodes may rejoin meanwhile). Beyond it the run stops with one line naming what found no room and what each needs; checkpoints are kept. Replacements and elastic joiners wait as pending instead (the pool shrinks rather than stops)."""
     resume: str | None = None
     """Checkpoint to resume from: a path, `auto` (latest in the run directory) or None. A run directory that already holds a run is only reused with this or `overwrite`."""
     overwrite: bool = False

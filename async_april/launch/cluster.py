@@ -6,7 +6,9 @@
                                            writes run.dir/placement.json (docs/cluster.md)
     lost_state_errors() / restart_or_raise the errors that mean a learner rank or the store is gone: the
                                            controller rebuilds the run from its last checkpoint
-                                           (run.max_restarts) or ends with the command that resumes it
+                                           (run.max_restarts) once the layout fits the live nodes again
+                                           (wait_for_layout), or ends with the command that resumes it
+    who_died(error, ...)                   a RayActorError as the death of the actor it names
     layout (check): async_april/launch/layout.py
 """
 
@@ -112,14 +114,44 @@ def warn_if_layout_does_not_fit(cfg: Config) -> None:
         say("warning: the layout may not fit the cluster as it is now (actors will wait for room): " + "; ".join(layout.problems))
 
 
+class StoreLostError(RuntimeError):
+    """The rollout store's actor died (its node, or its process): the run rebuilds from its checkpoint."""
+
+
 def lost_state_errors() -> tuple[type[BaseException], ...]:
     """What escapes the step loop when a learner rank or the rollout store is gone (generation actors'
-    deaths are handled inside actors/pool.py and never get here)."""
+    deaths are handled inside actors/pool.py and never get here; `who_died` names the actor)."""
     import ray
 
     from learners.group import LearnerLostError
 
-    return (LearnerLostError, ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+    return (LearnerLostError, StoreLostError, ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+
+
+def who_died(error: BaseException, store, learner, pool, evaluator=None) -> BaseException:
+    """A RayActorError that reached the step loop, as the death of the actor it names (Ray's
+    `RayActorError.actor_id`, ray/exceptions.py): StoreLostError or LearnerLostError (rebuild), or
+    the error itself, its message saying which actor it was."""
+    from learners.group import LearnerLostError
+
+    dead = getattr(error, "actor_id", None)
+    text = str(error).strip().splitlines()
+    why = f"{type(error).__name__}: {text[-1] if text else ''}"[:300]
+
+    def hex_id(handle) -> str | None:
+        return handle._actor_id.hex() if handle is not None and hasattr(handle, "_actor_id") else None
+
+    if dead is not None and dead == hex_id(store):
+        return StoreLostError(f"the rollout store died ({why})")
+    for rank, w in enumerate(getattr(learner, "workers", [])):
+        if dead is not None and dead == hex_id(w):
+            return LearnerLostError(f"learner rank {rank} died ({why})")
+    names = {hex_id(h): i for i, h in getattr(pool, "actors", {}).items()}
+    if evaluator is not None and getattr(evaluator, "actor", None) is not None:
+        names[hex_id(evaluator.actor)] = "the evaluation actor"
+    if dead in names:
+        error.args = (f"{names[dead]} died ({why})",)
+    return error
 
 
 def resume_command(cfg: Config) -> str:
@@ -129,8 +161,32 @@ def resume_command(cfg: Config) -> str:
     return f"{head} run.dir={shlex.quote(str(cfg.run_dir))} run.resume=auto"
 
 
+LAYOUT_POLL_S = 2.0
+"""How often a rebuild waiting for the cluster to hold its layout again looks at the live nodes."""
+
+
+def wait_for_layout(cfg: Config) -> tuple[list[str], float]:
+    """After a lost node: the layout fitted again on the live nodes (`check`'s fit, launch/layout.py),
+    waiting up to run.placement_timeout_s for nodes to join. Returns what still does not fit (empty: it
+    fits) and the seconds waited. A rebuild that started without this would place the learner first and
+    take GPUs the engines then wait for for ever (a 2 x 4-GPU layout that lost its learner's node)."""
+    from async_april.launch.layout import fit_layout, live_nodes
+    from async_april.placement import driver_node_id
+
+    t0 = time.monotonic()
+    problems = fit_layout(cfg, live_nodes(), driver_node_id()).problems
+    if problems:
+        say(f"the cluster cannot hold the run's layout now ({'; '.join(problems)}); waiting up to "
+            f"run.placement_timeout_s={cfg.run.placement_timeout_s:g} s for nodes to join")
+    while problems and time.monotonic() - t0 < cfg.run.placement_timeout_s:
+        time.sleep(LAYOUT_POLL_S)
+        problems = fit_layout(cfg, live_nodes(), driver_node_id()).problems
+    return problems, time.monotonic() - t0
+
+
 def restart_or_raise(cfg: Config, error: BaseException, restarts: int):
-    """The run resolved again from its latest checkpoint (run.max_restarts), or RunStateLost."""
+    """The run resolved again from its latest checkpoint (run.max_restarts), or RunStateLost (LayoutLost
+    when the cluster cannot hold the layout any more)."""
     from async_april.checkpointing import CheckpointManager
     from async_april.launch.resolve import resolve
 
@@ -141,7 +197,12 @@ def restart_or_raise(cfg: Config, error: BaseException, restarts: int):
             f"run.max_restarts={cfg.run.max_restarts} reached"
         say(f"run state lost ({why}); {reason}. " + (f"Resume from {latest.path} with: {resume_command(cfg)}"
                                                     if latest is not None else "Nothing to resume from."))
-        raise RunStateLost(f"a learner rank or the rollout store was lost ({why}); {reason}") from error
+        raise RunStateLost(f"{why}; {reason}") from error
+    missing, waited = wait_for_layout(cfg)
+    if missing:
+        raise LayoutLost(f"run state lost ({why}) and the cluster cannot hold the run's layout any more: {'; '.join(missing)} "
+                         f"(waited {waited:.0f} s, run.placement_timeout_s); the checkpoint {latest.path} is kept: once "
+                         f"the cluster has room again, resume with: {resume_command(cfg)}") from error
     say(f"run state lost ({why}): restarting from {latest.path} (restart {restarts + 1} of {cfg.run.max_restarts}); "
         f"steps after {latest.step} are trained again")
     return resolve(cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": str(latest.path), "overwrite": False})}))
@@ -149,6 +210,10 @@ def restart_or_raise(cfg: Config, error: BaseException, restarts: int):
 
 class RunStateLost(RuntimeError):
     """A learner rank or the rollout store was lost and the run could not rebuild itself."""
+
+
+class LayoutLost(RunStateLost, UserError):
+    """The run lost a node and the cluster left cannot hold its layout: one error line, checkpoints kept."""
 
 
 class PlacementRecord:

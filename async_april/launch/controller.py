@@ -46,7 +46,7 @@ from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
 from async_april.launch.cluster import (PlacementRecord, RunStateLost, check_shared_storage, lost_state_errors,  # noqa: F401 - RunStateLost: what train() raises
-                                       restart_or_raise, warn_if_layout_does_not_fit)
+                                       restart_or_raise, warn_if_layout_does_not_fit, who_died)
 from async_april.stopping import GracefulStop, Interrupted
 from async_april.tracking import Tracker
 
@@ -73,7 +73,7 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
         save_config(cfg, run_dir)  # secrets masked (async_april/masking.py)
         for line in r.describe():
             say(line)
-        started_ray, tracker, stop, restarts = init_ray(cfg), None, GracefulStop(), 0
+        started_ray, tracker, stop, carry = init_ray(cfg), None, GracefulStop(), AcrossRebuilds()
         try:
             check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
             say(check_rendezvous(cfg))  # interfaces per backend; a node that would hang a gloo rendezvous stops here
@@ -84,10 +84,10 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
                 tracker = _tracker(cfg, r, run_dir)
                 try:
                     with stop:
-                        run = run_loop(cfg, r, tracker, stop, on_step, learner_factory, restarts)
+                        run = run_loop(cfg, r, tracker, stop, on_step, learner_factory, carry)
                     break
                 except lost_state_errors() as e:  # a learner rank or the store is gone (its node died)
-                    r, restarts = restart_or_raise(cfg, e, restarts), restarts + 1
+                    r, carry.restarts = restart_or_raise(cfg, e, carry.restarts), carry.restarts + 1
                     cfg = r.cfg
                     tracker.close()
                     tracker = None
@@ -114,10 +114,19 @@ def _tracker(cfg: Config, r, run_dir: Path) -> Tracker:
                    checkpoint_row=controller.get("metrics_row"))
 
 
+class AcrossRebuilds:
+    """What a rebuild from a checkpoint must not forget: it happened after the checkpoint was saved."""
+
+    def __init__(self) -> None:
+        self.restarts = 0
+        """Times the run was rebuilt from a checkpoint after losing a learner rank or the store (run.max_restarts)."""
+        self.actor_restarts = 0
+        """Generation actor replacements so far (rollout.max_actor_restarts is for the whole run)."""
+
+
 def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None, learner_factory=None,
-             restarts: int = 0) -> "RunState":
-    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end.
-    `restarts`: times the run was rebuilt from a checkpoint after losing a learner rank or the store."""
+             carry: AcrossRebuilds | None = None) -> "RunState":
+    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end."""
     import ray
 
     from actors.pool import ActorPool
@@ -136,7 +145,10 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
                                  resume.controller_state() if resume else None)
     push = lambda handles: syncer.push(learner, handles, learner.version)  # noqa: E731 - to live or new actors
     plan = plan_pinning(cfg)
-    pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan)
+    carry = carry or AcrossRebuilds()
+    resumed = int(resume.controller_state().get("rollout/actor_restarts", 0)) if resume is not None else 0
+    pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan,
+                     restarts_before=max(carry.actor_restarts, resumed))
     if engines_on_learner_gpu(cfg):
         # SGLang takes mem_fraction_static of the memory free WHEN IT STARTS (sglang 0.5.23
         # srt/mem_cache/kv_cache_configurator.py `_profile_available_bytes`, pre_model_load_memory measured in
@@ -149,7 +161,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     learner = (learner_factory or LearnerGroup)(cfg, model_path)
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
-    run.evaluator, run.restarts = evaluator, restarts
+    run.evaluator, run.restarts = evaluator, carry.restarts
     record = PlacementRecord(cfg)
     hook_gets_pool = on_step is not None and "pool" in inspect.signature(on_step).parameters
     tuner = OffPolicyTuner.from_config(cfg)  # None unless eta or over-provisioning is `auto`
@@ -218,7 +230,10 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
             run.save(store, learner, pool, tracker)
         if cfg.checkpoint.export_hf and not stop.requested():
             say(f"exported {learner.export_hf(str(cfg.run_dir / 'hf'))}")
+    except ray.exceptions.RayActorError as e:  # which actor: the rebuild's message names it
+        raise who_died(e, store, learner, pool, evaluator) from e
     finally:
+        carry.actor_restarts = pool.restarts
         if evaluator is not None:
             evaluator.stop()
         pool.stop()
@@ -232,12 +247,11 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
 class RunState:
     """The controller's own state: step, cumulative counters, where the last checkpoint is."""
 
-    def __init__(self, cfg: Config, model_shape: dict, step: int = 0, bad_steps: int = 0, actor_restarts: int = 0,
+    def __init__(self, cfg: Config, model_shape: dict, step: int = 0, bad_steps: int = 0,
                  checkpoint: Path | None = None, tuner: TunerState = TunerState()):
         self.cfg, self.model_shape, self.step, self.bad_steps = cfg, model_shape, step, bad_steps
         self.tuner = tuner
         """`auto` settings: what the tuner remembers (async_april/auto_staleness.py; the settings are the store's)."""
-        self.actor_restarts_before = actor_restarts
         self.last_checkpoint = checkpoint
         self.saved_step = step if checkpoint is not None else -1
         self.restarts = 0
@@ -257,14 +271,11 @@ class RunState:
         learner.load_checkpoint(str(ck.learner_dir))
         ray.get(store.call.remote("load_state_dict", ck.store_state()))
         c = ck.controller_state()
-        return cls(cfg, model_shape, int(c["step"]), int(c["train/bad_steps"]), int(c["rollout/actor_restarts"]),
-                   checkpoint=ck.path, tuner=TunerState.from_dict(c.get("async/tuner", {"window": c.get("async/raise_window", [])})))
+        return cls(cfg, model_shape, int(c["step"]), int(c["train/bad_steps"]), checkpoint=ck.path, tuner=TunerState.from_dict(c.get("async/tuner", {"window": c.get("async/raise_window", [])})))
 
     def metrics(self, pool, version: int) -> dict[str, float]:
         return {"train/step": self.step, "train/policy_version": version, "train/bad_steps": self.bad_steps,
-                "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
-                "rollout/actors_alive": len(pool.actors), "rollout/actors": len(pool.actors),
-                "rollout/actors_pending": len(pool.pending), "run/restarts": self.restarts}
+                **pool.metrics(), "run/restarts": self.restarts}
 
     def tune(self, tuner: OffPolicyTuner, metrics: dict[str, float], store) -> dict[str, float]:
         """One decision of the auto-tuner (async_april/auto_staleness.py) from this step's metrics; a
@@ -296,7 +307,7 @@ class RunState:
         t0 = time.perf_counter()
         ck = self.cfg.checkpoint
         controller = {"step": self.step, "policy_version": learner.version, "train/bad_steps": self.bad_steps,
-                      "rollout/actor_restarts": self.actor_restarts_before + pool.restarts,
+                      "rollout/actor_restarts": pool.restarts,
                       "time/elapsed_s": round(tracker.elapsed_s, 3), "async/tuner": self.tuner.to_dict(),
                       "metrics_row": tracker.last_row,  # put back on resume if the crash tore it from metrics.jsonl
                       **(self.evaluator.schedule.state() if self.evaluator is not None else {})}
