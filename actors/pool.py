@@ -13,6 +13,10 @@
               placement.generation allows have room (a node joined), up to max_actors; a pending one
               joins the run once its engine started and loaded the current weights. A lost node's
               actors are replaced only where there is room, so the pool shrinks instead of failing.
+    new nodes (`node_checks`, launch/node_checks.py): a node no actor of the run has used yet is probed
+              (run.dir, a shared model directory, the pinned hub commit) before an actor placed there
+              is used; an actor on a node that fails is retired with one line saying why, and that
+              node is no longer counted as room.
 
 The controller calls `wait_for_batch`, `call_all` and `push_weights` instead of
 touching actor handles, so a death at any point of the step is handled here.
@@ -44,12 +48,14 @@ class NoGenerationActorsError(RuntimeError):
 
 class ActorPool:
     def __init__(self, cfg: Config, store, model_path: str, load_weights: Callable[[list], Any] | None = None,
-                 cpu_plan: "CpuPlan | None" = None):
+                 cpu_plan: "CpuPlan | None" = None, node_checks=None):
         """`load_weights(handles)` pushes the learner's current weights and version to new actors;
-        with `cpu_plan` (run.pin_cpus) each actor, replacements included, gets a core of its own."""
+        with `cpu_plan` (run.pin_cpus) each actor, replacements included, gets a core of its own;
+        `node_checks` (launch/node_checks.NodeChecks) vets a node the first time an actor lands there."""
         self.cfg, self.store, self.model_path = cfg, store, model_path
         self.load_weights = load_weights
         self.cpu_plan = cpu_plan
+        self.node_checks = node_checks
         self.actors: dict[str, Any] = {}
         self.loops: dict[str, Any] = {}
         self.restarts = 0
@@ -123,7 +129,8 @@ class ActorPool:
         """Generation actors the allowed nodes have room for now."""
         from async_april.placement import room_for
 
-        return room_for(self.cfg.placement.generation, 1.0, self.cfg.rollout.gpus_per_actor)
+        bad = self.node_checks.bad if self.node_checks is not None else frozenset()
+        return room_for(self.cfg.placement.generation, 1.0, self.cfg.rollout.gpus_per_actor, exclude=bad)
 
     def _start_pending(self, why: str) -> str:
         actor_id, handle = self._new_actor()
@@ -148,6 +155,8 @@ class ActorPool:
             del self.pending[actor_id]
             try:
                 ray.get(ref)
+                if not self._usable(actor_id, handle):
+                    continue
                 self.actors[actor_id] = handle
                 self._pin([actor_id])
                 if self.load_weights is not None:
@@ -169,12 +178,40 @@ class ActorPool:
         how many were asked for. One round at a time: Ray's free-resource view lags a placement."""
         if not self.elastic or self.pending:
             return 0
+        self._probe_new_nodes()
         want = self.cfg.rollout.max_actors - len(self.actors)
         n = min(want, self.room()) if want > 0 else 0
         for _ in range(n):
             self._start_pending("elastic: room on the cluster")
             self.started_elastic += 1
         return n
+
+    def _probe_new_nodes(self) -> None:
+        """Probe the live nodes not seen before (they joined), so that room() leaves out the bad ones."""
+        if self.node_checks is None:
+            return
+        seen = set(self.node_checks.verdicts)
+        for node, problem in self.node_checks.problems().items():
+            if node not in seen:
+                log.warning("not using node %s for generation actors: %s", node[:8], problem)
+
+    def _usable(self, actor_id: str, handle) -> bool:
+        """Whether the node Ray placed this started actor on passed the node checks; if not, the actor
+        is killed (it has leased nothing yet) with one line, and False returned."""
+        import ray
+
+        from async_april.placement import node_of
+
+        if self.node_checks is None:
+            return True
+        node = node_of(handle)["node_id"]
+        problem = self.node_checks.problems([node]).get(node)
+        if problem is None:
+            return True
+        ray.kill(handle, no_restart=True)
+        log.warning("generation actor %s retired before its first lease: %s", actor_id, problem)
+        self.events.append({"t": time.time(), "event": f"retired (node {node[:8]} failed the storage probe)", "actor": actor_id})
+        return False
 
     def _pin(self, actor_ids: list[str]) -> None:
         import ray
