@@ -178,7 +178,8 @@ class ActorPool:
         how many were asked for. One round at a time: Ray's free-resource view lags a placement."""
         if not self.elastic or self.pending:
             return 0
-        self._probe_new_nodes()
+        for node, problem in (self.node_checks.new_problems() if self.node_checks is not None else {}).items():
+            log.warning("not using node %s for generation actors: %s", node[:8], problem)  # not room from now on
         want = self.cfg.rollout.max_actors - len(self.actors)
         n = min(want, self.room()) if want > 0 else 0
         for _ in range(n):
@@ -186,26 +187,12 @@ class ActorPool:
             self.started_elastic += 1
         return n
 
-    def _probe_new_nodes(self) -> None:
-        """Probe the live nodes not seen before (they joined), so that room() leaves out the bad ones."""
-        if self.node_checks is None:
-            return
-        seen = set(self.node_checks.verdicts)
-        for node, problem in self.node_checks.problems().items():
-            if node not in seen:
-                log.warning("not using node %s for generation actors: %s", node[:8], problem)
-
     def _usable(self, actor_id: str, handle) -> bool:
-        """Whether the node Ray placed this started actor on passed the node checks; if not, the actor
-        is killed (it has leased nothing yet) with one line, and False returned."""
+        """Whether the node Ray placed this started actor on passes the node checks; if not, the actor
+        (it has leased nothing yet) is killed with one line saying why."""
         import ray
 
-        from async_april.placement import node_of
-
-        if self.node_checks is None:
-            return True
-        node = node_of(handle)["node_id"]
-        problem = self.node_checks.problems([node]).get(node)
+        node, problem = self.node_checks.problem_of(handle) if self.node_checks is not None else (None, None)
         if problem is None:
             return True
         ray.kill(handle, no_restart=True)
@@ -310,6 +297,9 @@ class ActorPool:
             return
         new_id = self._spawn()
         ray.get(self.actors[new_id].start.remote())
+        if not self._usable(new_id, self.actors[new_id]):  # placed on a node first used now, which failed its probe
+            self.actors.pop(new_id)
+            return
         self._pin([new_id])
         if self.load_weights is not None:
             self.load_weights([self.actors[new_id]])  # current weights + version BEFORE any lease

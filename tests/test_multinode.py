@@ -28,13 +28,36 @@ SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_token
          "logging.wandb=disabled", "logging.console_every=100", "run.pin_cpus=false"]
 
 
+REPO_ID, PINNED, MOVED_ON = "tiny-org/tiny-model", "c" * 40, "d" * 40
+"""A hub ID, the commit the driver's cache resolves `main` to, and a later commit `main` points to elsewhere."""
+
+
+def hub_cache(root: Path, commits: list[str], main: str) -> Path:
+    """A Hugging Face hub cache holding REPO_ID at `commits` (the tiny model's files), refs/main -> `main`
+    (the layout of huggingface_hub 2.4.0 file_download.py, `repo_folder_name` / `try_to_load_from_cache`)."""
+    import shutil
+
+    from async_april.models.paths import resolve_model_path
+
+    model = resolve_model_path("builtin:tiny-reverse")
+    repo = root / ("models--" + REPO_ID.replace("/", "--"))
+    for c in commits:
+        shutil.copytree(model, repo / "snapshots" / c)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(main)
+    return root
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    """Head and two workers; their Hugging Face cache (HF_HUB_CACHE in each raylet's environment) holds
+    REPO_ID at PINNED, as if each had run `hf download` (the nodes added by cache tests have caches of their own)."""
     import ray
 
-    c = LocalCluster(head={"num_cpus": 2, "resources": {"head": 1}},
-                     workers=[{"num_cpus": 2, "resources": {"w1": 1, "lrn": 1}},
-                              {"num_cpus": 2, "resources": {"w2": 1, "lrn": 1}}], dashboard=True)
+    hub = {"env_vars": {"HF_HUB_CACHE": str(hub_cache(tmp_path_factory.mktemp("cluster-hub"), [PINNED], main=PINNED))}}
+    c = LocalCluster(head={"num_cpus": 2, "resources": {"head": 1}, **hub},
+                     workers=[{"num_cpus": 2, "resources": {"w1": 1, "lrn": 1}, **hub},
+                              {"num_cpus": 2, "resources": {"w2": 1, "lrn": 1}, **hub}], dashboard=True)
     yield c
     ray.shutdown()
     c.shutdown()
@@ -156,6 +179,49 @@ def test_the_learners_node_killed_the_run_rebuilds_itself_from_its_checkpoint(cl
 
 
 @pytest.mark.slow
+def test_a_learner_rebuilt_onto_a_node_without_the_pinned_commit_stops_and_keeps_its_checkpoints(cluster, tmp_path, monkeypatch):
+    """Item 3 end to end: the learner's rank (resource:late) on a node whose own cache holds the commit the
+    driver pinned; after step 2 a node whose cache lacks it joins with the same resource and the learner's
+    node is killed. The rebuild (run.max_restarts) places the learner on the newcomer, which is probed before
+    any rank starts there: the run stops with one SharedStorageError naming that node, the ID, the commit,
+    `hf download ID --revision COMMIT` and the resume command, step 1's checkpoint kept. (Before: nothing
+    probed the newcomer; its rank loaded whatever it found, here the driver's directory, and the run went on.)
+    Runs before the tests that add nodes with caches of their own (the start probe would stop at those)."""
+    from async_april.launch.cluster import SharedStorageError
+
+    cluster.restore()
+    caches = tmp_path / "caches"
+    first = cluster.add(num_cpus=1, resources={"late": 1}, env_vars={"HF_HUB_CACHE": str(hub_cache(caches / "a", [PINNED], main=PINNED))})
+    cluster.wait_for_nodes()
+    driver_pins(tmp_path, monkeypatch)
+    cfg = make_cfg(cluster, tmp_path, f"model.path={REPO_ID}", "run.steps=4", "rollout.num_actors=1", "placement.generation=resource:head",
+                   "placement.learner=resource:late", "checkpoint.every=1", "checkpoint.keep=5", "run.max_restarts=1")
+    seen = {}
+
+    def on_step(step, batch, learner):
+        if step == 2 and "late" not in seen:
+            seen["late"] = cluster.add(num_cpus=1, resources={"late": 1},
+                                       env_vars={"HF_HUB_CACHE": str(hub_cache(caches / "b", [MOVED_ON], main=MOVED_ON))})
+            cluster.wait_for_nodes()
+            cluster.remove(first, wait_dead=True)
+
+    try:
+        with pytest.raises(SharedStorageError) as stopped:
+            train(cfg, on_step=on_step)
+    finally:
+        for n in (first, seen.get("late")):
+            if n is not None and n in cluster.workers:
+                cluster.remove(n)
+    late, said = seen["late"].node_id, str(stopped.value)
+    assert said.startswith(f"node {late[:8]} (") and f"has no {REPO_ID} at commit {PINNED}" in said, said
+    assert f"`hf download {REPO_ID} --revision {PINNED}`" in said
+    assert "(the learner cannot run there); the run stopped, its checkpoints are kept" in said
+    assert said.endswith(f"run.dir={cfg.run_dir} run.resume=auto") and "\n" not in said
+    assert [p.name for p in CheckpointManager(cfg.run_dir).list()] == ["step_00000001"]
+    assert [r["train/step"] for r in rows(cfg)] == [1], "metrics rewound to the kept checkpoint"
+
+
+@pytest.mark.slow
 def test_elastic_pool_grows_onto_a_joining_node_and_shrinks_when_it_leaves(cluster, tmp_path):
     """rollout.num_actors=1-3 on nodes declaring `elastic`: one such node (1 CPU) at the start; a second
     (2 CPUs) joins after step 2 and gets 2 actors at the next step (rollout/actors 1 -> 3 at step 3,
@@ -229,26 +295,6 @@ def test_a_node_that_leaves_during_the_storage_probe_is_skipped_not_an_error(clu
     answers = probe_nodes({"run.dir": str(tmp_path)})
     assert leaving.node_id not in {a["node_id"] for a in answers}
     assert {a["node_id"] for a in answers} == {n.node_id for n in (cluster.head, *cluster.workers)}
-
-
-REPO_ID, PINNED, MOVED_ON = "tiny-org/tiny-model", "c" * 40, "d" * 40
-"""A hub ID, the commit the driver's cache resolves `main` to, and a later commit `main` points to elsewhere."""
-
-
-def hub_cache(root: Path, commits: list[str], main: str) -> Path:
-    """A Hugging Face hub cache holding REPO_ID at `commits` (the tiny model's files), refs/main -> `main`
-    (the layout of huggingface_hub 2.4.0 file_download.py, `repo_folder_name` / `try_to_load_from_cache`)."""
-    import shutil
-
-    from async_april.models.paths import resolve_model_path
-
-    model = resolve_model_path("builtin:tiny-reverse")
-    repo = root / ("models--" + REPO_ID.replace("/", "--"))
-    for c in commits:
-        shutil.copytree(model, repo / "snapshots" / c)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(main)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -155,13 +155,15 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
         learner = learner_factory(cfg, model_path) if learner_factory is not None else \
             LearnerGroup(cfg, model_path, node_check=None if checks is None else lambda nodes: checks.require(nodes, "the learner"))
     except SharedStorageError as e:
+        if evaluator is not None:
+            evaluator.stop()
         pool.stop()
         ray.kill(store)
         if restarts == 0:
             raise
         # A rebuild placed onto a node that cannot see the run: stop, keeping every checkpoint.
-        raise SharedStorageError(f"{e}; the run stopped, its checkpoints are kept: once that node sees them "
-                                 f"(or is left out), resume with: {resume_command(cfg)}") from None
+        raise SharedStorageError(f"{e}; the run stopped, its checkpoints are kept: once that node has what it lacks "
+                                 f"(or is left out of the cluster), resume with: {resume_command(cfg)}") from None
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
     run.evaluator, run.restarts = evaluator, restarts

@@ -10,6 +10,8 @@
     .start()                      every live node, once Ray is up (several nodes, or one that is not the driver's)
     .problems(node_ids)           the nodes not seen before are probed (an elastic joiner, the node a learner is
                                   rebuilt onto); a node's verdict is kept for the run
+    .new_problems()               probes the live nodes not seen before (an elastic pool's grow(): not room if bad)
+    .problem_of(actor)            the verdict on the node a started actor runs on (actors/pool.py retires it if bad)
     .require(node_ids, who)       SharedStorageError (a UserError) naming each bad node and its fix
 
 The probe is one zero-CPU task per node with hard node affinity (launch/cluster.py probe_nodes).
@@ -82,6 +84,18 @@ class NodeChecks:
             for answer in self._probe(todo):
                 self.verdicts[answer["node_id"]] = self._verdict(answer)
         return {n: self.verdicts[n] for n in node_ids if self.verdicts.get(n)}
+
+    def new_problems(self) -> dict[str, str]:
+        """Probe the live nodes not seen before (they joined); the failing ones among them."""
+        seen = set(self.verdicts)
+        return {n: p for n, p in self.problems().items() if n not in seen}
+
+    def problem_of(self, handle) -> tuple[str, str | None]:
+        """(node id, what it lacks or None) for the node a live actor runs on, probed if not seen before."""
+        from async_april.placement import node_of
+
+        node = node_of(handle)["node_id"]
+        return node, self.problems([node]).get(node)
 
     def require(self, node_ids: list[str], who: str) -> None:
         """SharedStorageError naming every node of `node_ids` that lacks something `who` needs there."""
