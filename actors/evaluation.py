@@ -67,8 +67,11 @@ class EvalActor:
         from transformers import AutoTokenizer
 
         from actors.engines import make_engine
+        from async_april.models.paths import hub_pin, model_path_on_this_node
         from async_april.rewards.scoring import RewardScorer
 
+        if hub_pin(cfg.model.path, model_path) is not None:  # the pinned hub commit, from this node's own cache
+            model_path = str(model_path_on_this_node(cfg.model, model_path))
         lower_priority(cfg.eval.nice if nice is None else nice)
         torch.set_num_threads(1)
         self.cfg, self.sets = cfg, sets

@@ -15,6 +15,10 @@
               placement.generation allows have room (a node joined), up to max_actors; a pending one
               joins the run once its engine started and loaded the current weights. A lost node's
               actors are replaced only where there is room, so the pool shrinks instead of failing.
+    new nodes (`node_checks`, launch/node_checks.py): a node no actor of the run has used yet is probed
+              (run.dir, a shared model directory, the pinned hub commit) before an actor placed there
+              is used; an actor on a node that fails is retired with one line saying why, and that
+              node is no longer counted as room.
 
 The controller calls `wait_for_batch`, `call_all` and `push_weights` instead of
 touching actor handles, so a death at any point of the step is handled here.
@@ -51,14 +55,16 @@ class PlacementTimeoutError(UserError):
 
 class ActorPool:
     def __init__(self, cfg: Config, store, model_path: str, load_weights: Callable[[list], Any] | None = None,
-                 cpu_plan: "CpuPlan | None" = None, restarts_before: int = 0):
+                 cpu_plan: "CpuPlan | None" = None, restarts_before: int = 0, node_checks=None):
         """`load_weights(handles)` pushes the learner's current weights and version to new actors;
         with `cpu_plan` (run.pin_cpus) each actor, replacements included, gets a core of its own;
         `restarts_before`: replacements this run started before this pool (earlier rebuilds, the resumed
-        checkpoint's count), which rollout.max_actor_restarts counts too."""
+        checkpoint's count), which rollout.max_actor_restarts counts too; `node_checks`
+        (launch/node_checks.NodeChecks) vets a node the first time an actor lands there."""
         self.cfg, self.store, self.model_path = cfg, store, model_path
         self.load_weights = load_weights
         self.cpu_plan = cpu_plan
+        self.node_checks = node_checks
         self.actors: dict[str, Any] = {}
         self.loops: dict[str, Any] = {}
         self.restarts = restarts_before
@@ -152,7 +158,8 @@ class ActorPool:
         """Generation actors the allowed nodes have room for now."""
         from async_april.placement import room_for
 
-        return room_for(self.cfg.placement.generation, 1.0, self.cfg.rollout.gpus_per_actor)
+        bad = self.node_checks.bad if self.node_checks is not None else frozenset()
+        return room_for(self.cfg.placement.generation, 1.0, self.cfg.rollout.gpus_per_actor, exclude=bad)
 
     def _start_pending(self, why: str) -> str:
         actor_id, handle = self._new_actor()
@@ -177,6 +184,8 @@ class ActorPool:
             del self.pending[actor_id]
             try:
                 ray.get(ref)
+                if not self._usable(actor_id, handle):
+                    continue
                 self.actors[actor_id] = handle
                 self._pin([actor_id])
                 if self.load_weights is not None:
@@ -198,12 +207,27 @@ class ActorPool:
         how many were asked for. One round at a time: Ray's free-resource view lags a placement."""
         if not self.elastic or self.pending:
             return 0
+        for node, problem in (self.node_checks.new_problems() if self.node_checks is not None else {}).items():
+            log.warning("not using node %s for generation actors: %s", node[:8], problem)  # not room from now on
         want = self.cfg.rollout.max_actors - len(self.actors)
         n = min(want, self.room()) if want > 0 else 0
         for _ in range(n):
             self._start_pending("elastic: room on the cluster")
             self.started_elastic += 1
         return n
+
+    def _usable(self, actor_id: str, handle) -> bool:
+        """Whether the node Ray placed this started actor on passes the node checks; if not, the actor
+        (it has leased nothing yet) is killed with one line saying why."""
+        import ray
+
+        node, problem = self.node_checks.problem_of(handle) if self.node_checks is not None else (None, None)
+        if problem is None:
+            return True
+        ray.kill(handle, no_restart=True)
+        log.warning("generation actor %s retired before its first lease: %s", actor_id, problem)
+        self.events.append({"t": time.time(), "event": f"retired (node {node[:8]} failed the storage probe)", "actor": actor_id})
+        return False
 
     def _pin(self, actor_ids: list[str]) -> None:
         import ray
@@ -308,6 +332,9 @@ class ActorPool:
             new_id = self._spawn()
             try:
                 ray.get(self.actors[new_id].start.remote())
+                if not self._usable(new_id, self.actors[new_id]):  # placed on a node first used now, which failed its probe
+                    self.actors.pop(new_id)
+                    return
                 self._pin([new_id])
                 if self.load_weights is not None:
                     self.load_weights([self.actors[new_id]])  # current weights + version BEFORE any lease

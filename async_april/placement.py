@@ -61,9 +61,10 @@ def group_options(spec: str, bundles: list[dict[str, float]]) -> dict[str, Any]:
     return {"bundles": bundles, "strategy": "PACK"}
 
 
-def room_for(spec: str, cpus: float, gpus: float) -> int:
-    """How many more actors needing `cpus`/`gpus` each fit on the live nodes `spec` allows, from
-    what each node has free right now (an estimate: Ray's view lags a placement by a moment)."""
+def room_for(spec: str, cpus: float, gpus: float, exclude: frozenset[str] | set[str] = frozenset()) -> int:
+    """How many more actors needing `cpus`/`gpus` each fit on the live nodes `spec` allows (less the
+    node ids in `exclude`), from what each node has free right now (an estimate: Ray's view lags a
+    placement by a moment)."""
     import ray
 
     name = custom_resource(spec)
@@ -71,7 +72,7 @@ def room_for(spec: str, cpus: float, gpus: float) -> int:
     free = _available_per_node()
     total = 0
     for node in ray.nodes():
-        if not node.get("Alive") or (driver is not None and node["NodeID"] != driver):
+        if not node.get("Alive") or (driver is not None and node["NodeID"] != driver) or node["NodeID"] in exclude:
             continue
         avail = free.get(node["NodeID"], {})
         if name is not None and avail.get(name, 0.0) < RESOURCE_SHARE:

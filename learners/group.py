@@ -51,7 +51,9 @@ def _node_ip_and_free_port() -> tuple[str, int]:
 class LearnerGroup:
     """`world_size` LearnerWorker actors sharing one FSDP2 process group."""
 
-    def __init__(self, cfg: "Config", model_path: str) -> None:
+    def __init__(self, cfg: "Config", model_path: str, *, node_check=None) -> None:
+        """`node_check(node_ids)`, if given, sees the nodes the placement group reserved before any rank
+        starts there (launch/node_checks.py: a node that cannot see run.dir raises, nothing written)."""
         self.cfg = cfg
         lc = cfg.learner
         self.world_size = lc.world_size
@@ -71,6 +73,12 @@ class LearnerGroup:
                 f"the learner's {self.world_size} rank(s) ({', '.join(f'{k} {v:g}' for k, v in bundle.items())} each, "
                 f"placement.learner={cfg.placement.learner}) found no room on the cluster in run.placement_timeout_s="
                 f"{timeout_s:g} s ({free_resources_line()}); free or add nodes, or change placement.learner") from None
+        if node_check is not None:
+            try:
+                node_check(list(dict.fromkeys(ray.util.placement_group_table(self.pg)["bundles_to_node_id"].values())))
+            except BaseException:
+                remove_placement_group(self.pg)
+                raise
 
         def on(i: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)

@@ -81,6 +81,17 @@ class LocalCluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def load_model_on_this_node(model_cfg, driver_path) -> str:
+    """Run on a node (a task): where an engine or learner rank there loads the model, or the error it gets.
+    Here, not in a test module, so that Ray's workers can import it by name."""
+    from async_april.models.paths import model_path_on_this_node
+
+    try:
+        return str(model_path_on_this_node(model_cfg, driver_path))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+
+
 def _resources(node) -> dict:
     return dict(getattr(node, "_ray_params").resources or {})
 

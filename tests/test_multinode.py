@@ -20,7 +20,7 @@ import pytest
 from async_april.checkpointing import CheckpointManager
 from async_april.config import load_config
 from async_april.launch.controller import train
-from tests.multinode import LocalCluster
+from tests.multinode import LocalCluster, load_model_on_this_node
 from tests.test_faults import assert_each_prompt_once, rows, store_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,13 +28,36 @@ SMALL = ["rollout.batch_groups=4", "rollout.n_samples=4", "rollout.max_new_token
          "logging.wandb=disabled", "logging.console_every=100", "run.pin_cpus=false"]
 
 
+REPO_ID, PINNED, MOVED_ON = "tiny-org/tiny-model", "c" * 40, "d" * 40
+"""A hub ID, the commit the driver's cache resolves `main` to, and a later commit `main` points to elsewhere."""
+
+
+def hub_cache(root: Path, commits: list[str], main: str) -> Path:
+    """A Hugging Face hub cache holding REPO_ID at `commits` (the tiny model's files), refs/main -> `main`
+    (the layout of huggingface_hub 2.4.0 file_download.py, `repo_folder_name` / `try_to_load_from_cache`)."""
+    import shutil
+
+    from async_april.models.paths import resolve_model_path
+
+    model = resolve_model_path("builtin:tiny-reverse")
+    repo = root / ("models--" + REPO_ID.replace("/", "--"))
+    for c in commits:
+        shutil.copytree(model, repo / "snapshots" / c)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(main)
+    return root
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    """Head and two workers; their Hugging Face cache (HF_HUB_CACHE in each raylet's environment) holds
+    REPO_ID at PINNED, as if each had run `hf download` (the nodes added by cache tests have caches of their own)."""
     import ray
 
-    c = LocalCluster(head={"num_cpus": 2, "resources": {"head": 1}},
-                     workers=[{"num_cpus": 2, "resources": {"w1": 1, "lrn": 1}},
-                              {"num_cpus": 2, "resources": {"w2": 1, "lrn": 1}}], dashboard=True)
+    hub = {"env_vars": {"HF_HUB_CACHE": str(hub_cache(tmp_path_factory.mktemp("cluster-hub"), [PINNED], main=PINNED))}}
+    c = LocalCluster(head={"num_cpus": 2, "resources": {"head": 1}, **hub},
+                     workers=[{"num_cpus": 2, "resources": {"w1": 1, "lrn": 1}, **hub},
+                              {"num_cpus": 2, "resources": {"w2": 1, "lrn": 1}, **hub}], dashboard=True)
     yield c
     ray.shutdown()
     c.shutdown()
@@ -201,6 +224,49 @@ def test_the_learners_node_lost_in_a_gpu_layout_stops_naming_what_the_cluster_la
 
 
 @pytest.mark.slow
+def test_a_learner_rebuilt_onto_a_node_without_the_pinned_commit_stops_and_keeps_its_checkpoints(cluster, tmp_path, monkeypatch):
+    """Item 3 end to end: the learner's rank (resource:late) on a node whose own cache holds the commit the
+    driver pinned; after step 2 a node whose cache lacks it joins with the same resource and the learner's
+    node is killed. The rebuild (run.max_restarts) places the learner on the newcomer, which is probed before
+    any rank starts there: the run stops with one SharedStorageError naming that node, the ID, the commit,
+    `hf download ID --revision COMMIT` and the resume command, step 1's checkpoint kept. (Before: nothing
+    probed the newcomer; its rank loaded whatever it found, here the driver's directory, and the run went on.)
+    Runs before the tests that add nodes with caches of their own (the start probe would stop at those)."""
+    from async_april.launch.cluster import SharedStorageError
+
+    cluster.restore()
+    caches = tmp_path / "caches"
+    first = cluster.add(num_cpus=1, resources={"late": 1}, env_vars={"HF_HUB_CACHE": str(hub_cache(caches / "a", [PINNED], main=PINNED))})
+    cluster.wait_for_nodes()
+    driver_pins(tmp_path, monkeypatch)
+    cfg = make_cfg(cluster, tmp_path, f"model.path={REPO_ID}", "run.steps=4", "rollout.num_actors=1", "placement.generation=resource:head",
+                   "placement.learner=resource:late", "checkpoint.every=1", "checkpoint.keep=5", "run.max_restarts=1")
+    seen = {}
+
+    def on_step(step, batch, learner):
+        if step == 2 and "late" not in seen:
+            seen["late"] = cluster.add(num_cpus=1, resources={"late": 1},
+                                       env_vars={"HF_HUB_CACHE": str(hub_cache(caches / "b", [MOVED_ON], main=MOVED_ON))})
+            cluster.wait_for_nodes()
+            cluster.remove(first, wait_dead=True)
+            seen["first_removed"] = True
+
+    try:
+        with pytest.raises(SharedStorageError) as stopped:
+            train(cfg, on_step=on_step)
+    finally:  # the later tests see the cluster as it was
+        for n in ([] if seen.get("first_removed") else [first]) + ([seen["late"]] if "late" in seen else []):
+            cluster.remove(n)
+    late, said = seen["late"].node_id, str(stopped.value)
+    assert said.startswith(f"node {late[:8]} (") and f"has no {REPO_ID} at commit {PINNED}" in said, said
+    assert f"`hf download {REPO_ID} --revision {PINNED}`" in said
+    assert "(the learner cannot run there); the run stopped, its checkpoints are kept" in said
+    assert said.endswith(f"run.dir={cfg.run_dir} run.resume=auto") and "\n" not in said
+    assert [p.name for p in CheckpointManager(cfg.run_dir).list()] == ["step_00000001"]
+    assert [r["train/step"] for r in rows(cfg)] == [1], "metrics rewound to the kept checkpoint"
+
+
+@pytest.mark.slow
 def test_elastic_pool_grows_onto_a_joining_node_and_shrinks_when_it_leaves(cluster, tmp_path):
     """rollout.num_actors=1-3 on nodes declaring `elastic`: one such node (1 CPU) at the start; a second
     (2 CPUs) joins after step 2 and gets 2 actors at the next step (rollout/actors 1 -> 3 at step 3,
@@ -276,6 +342,154 @@ def test_a_node_that_leaves_during_the_storage_probe_is_skipped_not_an_error(clu
     answers = probe_nodes({"run.dir": str(tmp_path)})
     assert leaving.node_id not in {a["node_id"] for a in answers}
     assert {a["node_id"] for a in answers} == {n.node_id for n in (cluster.head, *cluster.workers)}
+
+
+@pytest.fixture(scope="module")
+def cache_nodes(cluster, tmp_path_factory):
+    """Two nodes with Hugging Face caches of their own (HF_HUB_CACHE in their raylet's environment, offline):
+    `cached` holds both commits with main moved on to MOVED_ON, `uncached` only MOVED_ON."""
+    import ray
+
+    root = tmp_path_factory.mktemp("caches")
+    env = {"HF_HUB_OFFLINE": "1"}
+    nodes = {"cached": cluster.add(num_cpus=1, resources={"cached": 1}, env_vars={
+                 **env, "HF_HUB_CACHE": str(hub_cache(root / "cached", [PINNED, MOVED_ON], main=MOVED_ON))}),
+             "uncached": cluster.add(num_cpus=1, resources={"uncached": 1}, env_vars={
+                 **env, "HF_HUB_CACHE": str(hub_cache(root / "uncached", [MOVED_ON], main=MOVED_ON))})}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, ignore_reinit_error=True)
+    yield nodes, root
+    for n in nodes.values():
+        cluster.remove(n)
+
+
+def driver_pins(tmp_path, monkeypatch):
+    """The driver's own cache, where `main` is PINNED: model.path resolves there to snapshots/PINNED."""
+    from async_april.models.paths import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache(tmp_path / "driver-hub", [PINNED], main=PINNED)))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = resolve_model_path(REPO_ID)
+    assert snap.name == PINNED
+    return snap
+
+
+def on_node(node, fn, *args):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(fn).options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+    return ray.get(task.remote(*args))
+
+
+def test_each_node_loads_the_commit_the_driver_pinned_from_its_own_cache(cluster, cache_nodes, tmp_path, monkeypatch):
+    """Per-node caches (the common setup): the driver resolves the hub ID to a commit; an engine or learner
+    rank on a node whose cache has that commit loads exactly it (not what `main` points to there), and a
+    node without it stops with one line naming the node, the ID, the commit and `hf download ID --revision C`.
+    The driver's snapshot is removed first, as it is on a machine the nodes do not see. (Before: the node
+    resolved `main` again in its own cache, loading MOVED_ON.)"""
+    import shutil
+
+    nodes, root = cache_nodes
+    cfg = make_cfg(cluster, tmp_path, f"model.path={REPO_ID}")
+    snap = driver_pins(tmp_path, monkeypatch)
+    shutil.rmtree(tmp_path / "driver-hub")
+    assert on_node(nodes["cached"], load_model_on_this_node, cfg.model, str(snap)) == \
+        str(root / "cached" / f"models--tiny-org--tiny-model/snapshots/{PINNED}")
+    said = on_node(nodes["uncached"], load_model_on_this_node, cfg.model, str(snap))
+    assert said.startswith(f"ModelError: node {nodes['uncached'].node_id[:8]} (")
+    assert f"has no {REPO_ID} at commit {PINNED}" in said and f"`hf download {REPO_ID} --revision {PINNED}`" in said
+    assert str(root / "uncached") in said and "model.download_on_nodes=true" in said
+
+
+def test_the_storage_probe_asks_each_node_for_the_pinned_commit_in_its_own_cache(cluster, cache_nodes, tmp_path, monkeypatch):
+    """With the driver's cache unseen by the nodes, the probe passes a node whose own cache has the pinned
+    commit (before: it demanded the driver's snapshot directory on every node, so per-node caches could not
+    start) and names the one that lacks it; run.dir is still probed; a local model directory still must be
+    shared; builtin models probe nothing but run.dir."""
+    import shutil
+
+    from async_april.launch.cluster import SharedStorageError
+    from async_april.launch.node_checks import NodeChecks
+
+    nodes, _ = cache_nodes
+    ids = [nodes["cached"].node_id, nodes["uncached"].node_id]
+    cfg = make_cfg(cluster, tmp_path, f"model.path={REPO_ID}")
+    cfg.run_dir.mkdir(parents=True)
+    snap = driver_pins(tmp_path, monkeypatch)
+    shutil.rmtree(tmp_path / "driver-hub")
+    checks = NodeChecks(cfg, snap)
+    assert checks.hub == (REPO_ID, PINNED) and checks.model_dir is None
+    bad = checks.problems(ids)
+    assert list(bad) == [nodes["uncached"].node_id]
+    assert re.fullmatch(rf"node {ids[1][:8]} \(\S+\) has no {REPO_ID} at commit {PINNED} \(the one the driver resolved "
+                        rf"model.path to\) in its Hugging Face cache \S+; run `hf download {REPO_ID} --revision {PINNED}` "
+                        r"on it, or set model.download_on_nodes=true to let a node with network download it", bad[ids[1]])
+    with pytest.raises(SharedStorageError, match=r"\(the run cannot run there\)$"):
+        checks.require(ids, "the run")
+    assert not list(cfg.run_dir.glob(".node-probe-*")), "the marker is removed"
+    # Allowed to download, but offline there: still named, saying why.
+    allowed = NodeChecks(cfg.model_copy(update={"model": cfg.model.model_copy(update={"download_on_nodes": True})}), snap)
+    assert "HF_HUB_OFFLINE is set there" in allowed.problems(ids)[ids[1]]
+    # A local directory must be shared; run.dir too.
+    local = NodeChecks(make_cfg(cluster, tmp_path, f"model.path={tmp_path / 'gone'}", name="local"), tmp_path / "gone")
+    local.cfg.run_dir.mkdir(parents=True)
+    assert "cannot see the model directory" in local.problems(ids[:1])[ids[0]]
+    builtin = NodeChecks(make_cfg(cluster, tmp_path, name="builtin"), tmp_path / "whatever")
+    builtin.cfg.run_dir.mkdir(parents=True)
+    assert builtin.hub is None and builtin.model_dir is None and builtin.problems(ids) == {}
+
+
+def test_a_node_first_used_later_is_probed_before_an_actor_is_used_there(cluster, cache_nodes, tmp_path, monkeypatch):
+    """Item 3: nodes seen at the start passed; a node an actor lands on later is probed then. An elastic
+    pool's grow() probes the joiner first and does not count a failing one as room (one line names it); a
+    generation actor Ray placed there anyway is retired before its first lease, saying why; a learner placed
+    onto it (a rebuild) is refused with a SharedStorageError before any rank starts, its placement group freed."""
+    import logging
+
+    import ray
+
+    from actors.pool import ActorPool
+    from async_april.launch.cluster import SharedStorageError
+    from async_april.launch.node_checks import NodeChecks
+    from learners.group import LearnerGroup
+
+    nodes, _ = cache_nodes
+    bad_id = nodes["uncached"].node_id
+    cfg = make_cfg(cluster, tmp_path, f"model.path={REPO_ID}", "rollout.num_actors=1-2", "rollout.engine=simulated",
+                   "placement.generation=resource:uncached", "placement.learner=resource:uncached",
+                   "run.placement_timeout_s=60")
+    cfg.run_dir.mkdir(parents=True)
+    snap = driver_pins(tmp_path, monkeypatch)
+    checks = NodeChecks(cfg, snap)
+    checks.verdicts = {n["NodeID"]: None for n in ray.nodes() if n["Alive"] and n["NodeID"] != bad_id}  # passed at start
+    pool = ActorPool(cfg, store=None, model_path=str(snap), node_checks=checks)
+    caplog = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: caplog.append(rec.getMessage())
+    logging.getLogger("actors.pool").addHandler(handler)
+    try:
+        pool._looping = True
+        assert pool.grow() == 0 and not pool.pending, "the failing joiner is not room"
+        assert [m for m in caplog if m.startswith(f"not using node {bad_id[:8]} for generation actors: node {bad_id[:8]}")]
+        assert f"at commit {PINNED}" in caplog[-1]
+        pool._start_pending("test: placed on the failing node")  # Ray may still place one there (spread)
+        deadline = time.monotonic() + 120
+        while pool.pending and time.monotonic() < deadline:
+            pool._poll_pending()
+            time.sleep(0.2)
+        assert not pool.actors and not pool.pending
+        assert any(m.startswith("generation actor gen0 retired before its first lease: node ") for m in caplog), caplog
+        assert pool.events[-1]["event"] == f"retired (node {bad_id[:8]} failed the storage probe)"
+    finally:
+        logging.getLogger("actors.pool").removeHandler(handler)
+        pool.stop()
+    before = len(ray.util.placement_group_table())
+    with pytest.raises(SharedStorageError, match=rf"node {bad_id[:8]} .* \(the learner cannot run there\)$"):
+        LearnerGroup(cfg, str(snap), node_check=lambda ids: checks.require(ids, "the learner"))
+    table = ray.util.placement_group_table()
+    assert len(table) == before + 1 and list(table.values())[-1]["state"] == "REMOVED"
+    assert not list(cfg.run_dir.iterdir()), "nothing written in run.dir"
 
 
 def test_the_8gpu_recipes_layout_fits_two_4gpu_nodes_and_not_one():

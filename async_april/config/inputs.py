@@ -11,7 +11,9 @@ from async_april.config.base import Section
 
 class ModelConfig(Section):
     path: str = "builtin:tiny-reverse"
-    """A Hugging Face model directory; a hub ID `org/name` or `org/name@revision`, resolved through the Hugging Face cache on every node (downloaded when missing, unless HF_HUB_OFFLINE=1); or `builtin:tiny-reverse` for the locally built tiny Qwen2 (built on first use)."""
+    """A Hugging Face model directory (on a cluster: on storage every node sees); a hub ID `org/name` or `org/name@revision`, which the driver resolves to a commit through its Hugging Face cache (downloaded when missing, unless HF_HUB_OFFLINE=1) and every node then loads at exactly that commit from its own cache (see `download_on_nodes`); or `builtin:tiny-reverse` for the locally built tiny Qwen2 (built on first use, on each node)."""
+    download_on_nodes: bool = False
+    """Hub IDs on a cluster: let a node whose own Hugging Face cache lacks the commit the driver resolved download it when its actors start (that node needs network and no HF_HUB_OFFLINE). Off: such a node stops the run at the start, naming the node and `hf download ID --revision COMMIT`."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for engines and learner. bfloat16 is for GPUs."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

@@ -1,7 +1,8 @@
 """A run on a multi-node Ray cluster: shared storage, the placement record, losing run state.
 
-    check_shared_storage(cfg, model_path)  one tiny task per live node: does it see run.dir (a marker
-                                           file written here) and the model directory? else a UserError
+    probe_nodes(spec, fn, nodes)           one tiny task per live node (or per node given); what each
+                                           node must see is asked by launch/node_checks.py (run.dir, a
+                                           shared model directory, the pinned hub commit in its cache)
     PlacementRecord.update(...)            asks every actor which node it is on (Ray's own answer) and
                                            writes run.dir/placement.json (docs/cluster.md)
     lost_state_errors() / restart_or_raise the errors that mean a learner rank or the store is gone: the
@@ -18,8 +19,6 @@ import logging
 import shlex
 import sys
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 from async_april.config import Config
@@ -33,7 +32,7 @@ PROBE_TIMEOUT_S = 60.0
 
 
 class SharedStorageError(UserError, OSError):
-    """A node of the cluster cannot see run.dir or the model directory."""
+    """A node of the cluster cannot see run.dir or a shared model directory, or lacks the pinned hub commit."""
 
 
 def _probe(paths: dict[str, str]) -> dict[str, Any]:
@@ -50,14 +49,15 @@ NODE_DEATH_WAIT_S = 30.0
 declare a node dead after ~15 s of silence) before the probe's failure counts as an error."""
 
 
-def probe_nodes(paths: dict[str, str], fn=_probe, what: str = "storage probe") -> list[dict[str, Any]]:
-    """Run `fn(paths)` (`_probe`, or another probe of a dict) once on every live node (hard node affinity);
-    one answer per node."""
+def probe_nodes(paths: dict[str, Any], fn=_probe, what: str = "storage probe", nodes: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run `fn(paths)` (`_probe`, or another probe of a dict) once on every live node, or on each of
+    `nodes` (hard node affinity); one answer per node that is still there."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     probe = ray.remote(num_cpus=0)(fn)
-    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    if nodes is None:
+        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(paths) for nid in nodes]
     answers, deadline = [], time.monotonic() + PROBE_TIMEOUT_S  # one timeout for all, as a single ray.get had
     for nid, ref in zip(nodes, refs):
@@ -82,25 +82,6 @@ def node_seen_dead(node_id: str, within_s: float) -> bool:
             return False
         time.sleep(0.2)
     return True
-
-
-def check_shared_storage(cfg: Config, model_path: Path) -> int:
-    """Every node must see run.dir (it writes checkpoints' shards there and reads them back on resume)
-    and the model directory (every engine and learner rank loads it). Returns the nodes checked."""
-    marker = cfg.run_dir / f".node-probe-{uuid.uuid4().hex[:12]}"
-    marker.write_text("written by the driver; every node must see it\n")
-    try:
-        answers = probe_nodes({"run.dir": str(marker), "model.path": str(Path(model_path) / "config.json")})
-    finally:
-        marker.unlink(missing_ok=True)
-    bad = [a for a in answers if a["missing"]]
-    if bad:
-        where = "; ".join(f"node {a['node_id'][:8]} ({a['ip']}) cannot see {' or '.join(a['missing'])}" for a in bad)
-        raise SharedStorageError(
-            f"{where}: run.dir={cfg.run_dir} and the model directory {model_path} must be on storage every "
-            "node of the Ray cluster sees at the same path (NFS, a cluster file system); move them there or "
-            "leave such nodes out of the cluster")
-    return len(answers)
 
 
 def warn_if_layout_does_not_fit(cfg: Config) -> None:

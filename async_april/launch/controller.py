@@ -45,8 +45,9 @@ from async_april.auto_staleness import OffPolicyTuner, StepSignals, TunerState, 
 from async_april.config import Config, save_config
 from async_april.console import say
 from async_april.cpu_pinning import CpuPlan, cpu_plan, pin_process, process_cores
-from async_april.launch.cluster import (PlacementRecord, RunStateLost, check_shared_storage, lost_state_errors,  # noqa: F401 - RunStateLost: what train() raises
-                                       restart_or_raise, warn_if_layout_does_not_fit, who_died)
+from async_april.launch.cluster import (PlacementRecord, RunStateLost, SharedStorageError, lost_state_errors,  # noqa: F401 - RunStateLost: what train() raises
+                                       resume_command, restart_or_raise, warn_if_layout_does_not_fit, who_died)
+from async_april.launch.node_checks import NodeChecks
 from async_april.stopping import GracefulStop, Interrupted
 from async_april.tracking import Tracker
 
@@ -77,14 +78,17 @@ def train(cfg: Config, on_step=None, learner_factory=None) -> Path:
         try:
             check_gpu_resources(cfg, ray.cluster_resources().get("GPU", 0.0))  # before any actor waits for GPUs
             say(check_rendezvous(cfg))  # interfaces per backend; a node that would hang a gloo rendezvous stops here
-            if sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
-                say(f"ray: {check_shared_storage(cfg, r.model_path)} nodes see run.dir and the model")
+            # What every node must see (run.dir, a shared model directory, the hub commit the driver pinned);
+            # a node first used later (an elastic joiner, a learner rebuilt elsewhere) is probed then.
+            checks = NodeChecks(cfg, r.model_path)
+            if checked := checks.start():
+                say(f"ray: {checked} nodes see run.dir and the model")
                 warn_if_layout_does_not_fit(cfg)
             while True:
                 tracker = _tracker(cfg, r, run_dir)
                 try:
                     with stop:
-                        run = run_loop(cfg, r, tracker, stop, on_step, learner_factory, carry)
+                        run = run_loop(cfg, r, tracker, stop, on_step, learner_factory, carry, checks)
                     break
                 except lost_state_errors() as e:  # a learner rank or the store is gone (its node died)
                     r, carry.restarts = restart_or_raise(cfg, e, carry.restarts), carry.restarts + 1
@@ -125,8 +129,10 @@ class AcrossRebuilds:
 
 
 def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None, learner_factory=None,
-             carry: AcrossRebuilds | None = None) -> "RunState":
-    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end."""
+             carry: AcrossRebuilds | None = None, checks: NodeChecks | None = None) -> "RunState":
+    """The steps, from the resolved run `r` (resolve.Resolved); returns the controller state at the end.
+    `carry`: what earlier rebuilds of this run counted; `checks`: the nodes' storage verdicts (a node first
+    used now is probed before the actor is used there)."""
     import ray
 
     from actors.pool import ActorPool
@@ -148,7 +154,7 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
     carry = carry or AcrossRebuilds()
     resumed = int(resume.controller_state().get("rollout/actor_restarts", 0)) if resume is not None else 0
     pool = ActorPool(cfg, store, model_path, load_weights=push, cpu_plan=plan,
-                     restarts_before=max(carry.actor_restarts, resumed))
+                     restarts_before=max(carry.actor_restarts, resumed), node_checks=checks)
     if engines_on_learner_gpu(cfg):
         # SGLang takes mem_fraction_static of the memory free WHEN IT STARTS (sglang 0.5.23
         # srt/mem_cache/kv_cache_configurator.py `_profile_available_bytes`, pre_model_load_memory measured in
@@ -158,7 +164,19 @@ def run_loop(cfg: Config, r, tracker: Tracker, stop: GracefulStop, on_step=None,
         except BaseException:
             pool.stop()
             raise
-    learner = (learner_factory or LearnerGroup)(cfg, model_path)
+    try:
+        learner = learner_factory(cfg, model_path) if learner_factory is not None else \
+            LearnerGroup(cfg, model_path, node_check=None if checks is None else lambda nodes: checks.require(nodes, "the learner"))
+    except SharedStorageError as e:
+        if evaluator is not None:
+            evaluator.stop()
+        pool.stop()
+        ray.kill(store)
+        if carry.restarts == 0:
+            raise
+        # A rebuild placed onto a node that cannot see the run: stop, keeping every checkpoint.
+        raise SharedStorageError(f"{e}; the run stopped, its checkpoints are kept: once that node has what it lacks "
+                                 f"(or is left out of the cluster), resume with: {resume_command(cfg)}") from None
     syncer = WeightSyncer.from_config(cfg)
     run = RunState.restore(resume, store, learner, cfg, r.model_shape) if resume is not None else RunState(cfg, r.model_shape)
     run.evaluator, run.restarts = evaluator, carry.restarts

@@ -76,9 +76,13 @@ class Resolved:
                                      if d.rejected_long or d.bad_rows else "")
         m = self.model_shape
         shape = f"{m.get('model_type')}, hidden {m.get('hidden_size')}, {m.get('num_hidden_layers')} layers, vocab {m.get('vocab_size')}"
+        from async_april.models.paths import hub_pin
+
+        pin = hub_pin(self.cfg.model.path, self.model_path)
         return [
             f"run dir {self.run_dir.path} ({'continuing it' if self.run_dir.used else 'new'})",
-            f"model {self.model_path} ({shape})",
+            f"model {self.model_path} ({shape})" + (f"; {pin[0]} pinned to commit {pin[1]}: every node loads exactly "
+                                                    "it, from its own Hugging Face cache" if pin else ""),
             f"data {self.cfg.data.source}: {kept}",
             "rewards " + ", ".join(f"{n} x{w:g}" for n, w in self.cfg.reward.functions.items()),
             f"resume from {ck.path} (step {ck.step}, policy version {ck.version})" if ck else
