@@ -155,3 +155,21 @@ def test_engines_that_find_no_room_stop_the_start_naming_what_they_need(ray_clus
     finally:
         pool.stop()
         ray.kill(store)
+
+
+def test_learner_ranks_that_find_no_room_stop_naming_what_they_need(ray_cluster, model_path):
+    """Issue 37 item 4, the learner's half of the deadline: ranks asking for a GPU on a cluster with
+    none wait run.placement_timeout_s, then stop with one line naming the ranks, what each needs and
+    what is free; the placement group is freed (nothing left reserved for a later try)."""
+    import ray
+
+    from learners.group import LearnerGroup, LearnerPlacementError
+
+    before = len(ray.util.placement_group_table())
+    t0 = time.monotonic()
+    with pytest.raises(LearnerPlacementError, match=r"the learner's 1 rank\(s\) \(GPU 1, CPU 1 each, placement.learner=pack\) "
+                                                    r"found no room on the cluster in run.placement_timeout_s=2 s \(.*free now: "):
+        LearnerGroup(config("learner.device=cuda", "run.placement_timeout_s=2"), model_path)
+    assert time.monotonic() - t0 < 30
+    table = ray.util.placement_group_table()
+    assert len(table) == before + 1 and list(table.values())[-1]["state"] == "REMOVED"

@@ -75,7 +75,7 @@ class RolloutConfig(Section):
     num_actors: int = Field(1, ge=1, le=1024)
     """Generation actors (one engine each). A range `MIN-MAX` (e.g. `2-8`) makes rollout elastic: it starts MIN and sets `max_actors` to MAX; `auto` starts one and grows to `max_actors` (which it then needs). Saved as the two numbers."""
     max_actors: int | None = Field(None, ge=1, le=1024)
-    """Elastic rollout: most generation actors. Between steps the pool starts more whenever the cluster has room for one (a node joined, placement.generation allows it), up to this; an actor lost with its node is replaced only when there is room, so the run shrinks instead of failing. Logged as rollout/actors and rollout/actors_pending. None: fixed at `num_actors` (a lost actor is replaced, up to `max_actor_restarts`)."""
+    """Elastic rollout: most generation actors. Between steps the pool starts more whenever the cluster has room for one (a node joined, placement.generation allows it), up to this; an actor lost with its node is replaced only when there is room, so the run shrinks instead of failing. Logged as rollout/actors_alive (running), rollout/actors (running plus pending) and rollout/actors_pending. None: fixed at `num_actors` (a lost actor is replaced, up to `max_actor_restarts`)."""
     gpus_per_actor: float = Field(0.0, ge=0.0, le=64.0)
     """GPUs Ray reserves for each generation actor (its engine; an SGLang server with tensor parallelism takes its tp size). 0 on CPU; fractions share a GPU with the learner."""
     batch_groups: int = Field(16, ge=1)
@@ -105,7 +105,7 @@ class RolloutConfig(Section):
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     """SGLang engine settings (ignored by the other engines)."""
     max_actor_restarts: int = Field(3, ge=0)
-    """Times a dead generation actor is restarted (its leases go back to the store first); beyond that the run continues on the others."""
+    """Times a dead generation actor is restarted (its leases go back to the store first), counted over the whole run (rebuilds from a checkpoint and resumed jobs continue the count); beyond that the run continues on the others."""
     simulated_lengths: str = "lognormal"
     """Simulated engine: response-length distribution (`lognormal`, `april`, `copris`, or a histogram file)."""
     simulated_time_scale: float = Field(0.01, ge=0.0, le=1.0)
