@@ -31,7 +31,7 @@ from actors.engine import GenerateRequest, SamplingParams
 from actors.generation import stop_token_ids
 from async_april.config import Config
 from async_april.evaluation import EvalSet, SetResult
-from async_april.trajectory import Sample
+from async_april.rollout.trajectory import Sample
 
 
 def lower_priority(nice: int) -> None:
@@ -107,9 +107,9 @@ class EvalActor:
             self.started = True
 
     async def evaluate(self, weights, version: int) -> list[SetResult]:
-        """Load `weights` (object-store bucket refs or a disk directory, as async_april/weight_buckets.py defines
+        """Load `weights` (object-store bucket refs or a disk directory, as async_april/weights/buckets.py defines
         them; None keeps the engine's weights) as `version`, then evaluate every set at that version."""
-        from async_april.weight_buckets import fetch_buckets
+        from async_april.weights.buckets import fetch_buckets
 
         async with self.lock:
             t0 = time.perf_counter()

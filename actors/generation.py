@@ -31,7 +31,7 @@ from functools import partial
 
 from actors.engine import ADMISSION_BLOCK_DIVISOR, GenerateRequest, SamplingParams
 from async_april.config import Config
-from async_april.trajectory import Sample
+from async_april.rollout.trajectory import Sample
 
 POLL_S = 0.02
 """How often an idle actor asks the store for work again (admission may reopen)."""
@@ -119,7 +119,7 @@ class GenerationActor:
 
     def pin_cpus(self, cores: tuple[int, ...]) -> None:
         """Pin this actor's process, the engine's thread included, to `cores` (run.pin_cpus)."""
-        from async_april.cpu_pinning import pin_process
+        from async_april.hosts.cpu_pinning import pin_process
 
         pin_process(cores)
 
@@ -276,8 +276,8 @@ class GenerationActor:
     # -- control from the controller ------------------------------------------------
     async def update_weights(self, payload, version: int) -> float:
         """Load weights `version`: object-store bucket refs or a disk directory (see
-        async_april/weight_buckets.py), fetched before the load. Returns seconds spent."""
-        from async_april.weight_buckets import fetch_buckets
+        async_april/weights/buckets.py), fetched before the load. Returns seconds spent."""
+        from async_april.weights.buckets import fetch_buckets
 
         in_flight = self.cfg.rollout.on_weight_update == "continue"
         if isinstance(payload, str) and getattr(self.engine, "weight_update_mode", None) == "disk":

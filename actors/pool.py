@@ -31,15 +31,11 @@ import time
 from typing import Any, Callable
 
 from async_april.config import Config
-from async_april.cpu_pinning import CpuPlan
+from async_april.hosts.cpu_pinning import CpuPlan
 from async_april.errors import UserError
+from actors.pool_report import engine_totals, no_room, pool_metrics, short as _short, startup_notes
 
 log = logging.getLogger(__name__)
-
-TOTAL_KEYS = ("perf/engine_busy_s", "perf/engine_idle_s", "perf/engine_generated_tokens", "rollout/inflight", "rollout/reward_errors",
-              "rollout/reprefill_tokens", "perf/engine_batch_rows", "perf/engine_batch_capacity",
-              "perf/engine_kv_slots", "perf/engine_kv_pad_slots")
-
 
 PENDING_NOTE_S = 10.0
 """A pending actor not placed after this long is reported as waiting for capacity."""
@@ -87,9 +83,9 @@ class ActorPool:
         PlacementTimeoutError naming them and what each needs (rather than waiting for ever)."""
         import ray
 
-        from async_april.console import stage
+        from async_april.run.console import stage
 
-        from async_april.placement import is_placed
+        from async_april.hosts.placement import is_placed
 
         new = [self._spawn() for _ in range(n)]
         pending = [self.actors[i].start.remote() for i in new]
@@ -100,34 +96,14 @@ class ActorPool:
                 done, pending = ray.wait(pending, timeout=1.0)
                 bar.update(len(done))
                 if pending:
-                    bar.set_postfix_str(self._startup_notes(new))
+                    bar.set_postfix_str(startup_notes([self.actors[i] for i in new]))
                     if time.monotonic() - t0 > self.cfg.run.placement_timeout_s:
                         if unplaced := [i for i in new if not is_placed(self.actors[i])]:
                             for i in unplaced:  # never placed: nothing to stop, and a stop() call would wait on it
                                 ray.kill(self.actors.pop(i), no_restart=True)
-                            raise PlacementTimeoutError(self._no_room(unplaced))
+                            raise PlacementTimeoutError(no_room(self.cfg, unplaced))
         ray.get(refs)
         self._pin(new)
-
-    def _no_room(self, actor_ids: list[str]) -> str:
-        from async_april.placement import free_resources_line
-
-        gpus = f", GPU {self.cfg.rollout.gpus_per_actor:g}" if self.cfg.rollout.gpus_per_actor else ""
-        return (f"{len(actor_ids)} generation actor(s) ({', '.join(actor_ids)}) found no room on the cluster in "
-                f"run.placement_timeout_s={self.cfg.run.placement_timeout_s:g} s (each needs CPU 1{gpus}, "
-                f"placement.generation={self.cfg.placement.generation}; {free_resources_line()}); add or free nodes, "
-                "or lower rollout.num_actors")
-
-    def _startup_notes(self, actor_ids: list[str]) -> str:
-        import ray
-
-        notes = []
-        for i in actor_ids:
-            try:
-                notes.append(ray.get(self.actors[i].startup_note.remote(), timeout=5))
-            except Exception:  # noqa: BLE001 - a failed start is reported by its own ref
-                pass
-        return "; ".join(n for n in notes if n)
 
     def _spawn(self) -> str:
         actor_id, handle = self._new_actor()
@@ -138,8 +114,8 @@ class ActorPool:
         import ray
 
         from actors.generation import GenerationActor
-        from async_april.network import ifname_env
-        from async_april.placement import actor_options
+        from async_april.hosts.network import ifname_env
+        from async_april.hosts.placement import actor_options
 
         actor_id = f"gen{self._next}"
         self._next += 1
@@ -156,7 +132,7 @@ class ActorPool:
 
     def room(self) -> int:
         """Generation actors the allowed nodes have room for now."""
-        from async_april.placement import room_for
+        from async_april.hosts.placement import room_for
 
         bad = self.node_checks.bad if self.node_checks is not None else frozenset()
         return room_for(self.cfg.placement.generation, 1.0, self.cfg.rollout.gpus_per_actor, exclude=bad)
@@ -438,16 +414,7 @@ class ActorPool:
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
                 if i in self._last:
                     self._last[i]["rollout/inflight"] = 0.0
-        keys = TOTAL_KEYS + tuple(sorted({k for m in self._last.values() for k in m if k.startswith("agent/")}))
-        return {k: float(sum(m.get(k, 0.0) for m in self._last.values())) for k in keys}
+        return engine_totals(self._last)
 
     def metrics(self) -> dict[str, float]:
-        """rollout/actors_alive: running (engine up, generating); rollout/actors: what the pool holds now,
-        running or starting (alive + pending: replacements waiting for room, elastic joiners loading)."""
-        return {"rollout/actor_restarts": self.restarts, "rollout/actors_alive": len(self.actors),
-                "rollout/actors": len(self.actors) + len(self.pending), "rollout/actors_pending": len(self.pending)}
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]
+        return pool_metrics(self.restarts, alive=len(self.actors), pending=len(self.pending))

@@ -285,7 +285,7 @@ def _data_error(cfg: Config, lineno: int, what: str) -> DataError:
 def load_prompts(cfg: Config, tokenizer, limit: int | None = None) -> PromptDataset:
     """Read, validate, template and tokenize every prompt row (only the first `limit` rows if given:
     `async-april check`)."""
-    from async_april.console import stage
+    from async_april.run.console import stage
 
     d = cfg.data
     ds = PromptDataset(rows=[], seed=cfg.run.seed, shuffle=d.shuffle)

@@ -26,8 +26,8 @@ from pathlib import Path
 from common import RESULTS, REPO, final_reward, read_rows, write_json
 
 from async_april.config import load_config
-from async_april.plot import eval_curves, plot_curves
-from async_april.tracking import progress
+from async_april.run.plot import eval_curves, plot_curves
+from async_april.run.tracking import progress
 
 
 def run_one(label: str, tmp: Path, overrides: list[str]) -> list[dict]:

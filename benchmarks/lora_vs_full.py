@@ -102,7 +102,7 @@ def learner_widths(hidden_sizes: list[int], steps: int, rank: int, peft_forward:
     import numpy as np
     import torch
 
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from async_april.config import config_from_dict
     from async_april.models import build_random_tiny_model
     from learners import lora

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common import mode_config, read_rows, write_json
 
-from async_april.tracking import progress
+from async_april.run.tracking import progress
 
 CONFIG = "configs/tiny_cpu_multiturn.yaml"
 BUDGET_S = 600.0

@@ -37,8 +37,8 @@ from common import RESULTS, mode_config, read_rows, write_json
 from rollout_throughput import SIM_WORKLOADS, steady_state_torch, summarize
 
 from async_april.launch.plan_command import load_lengths, plan
-from async_april.planning import ASYNC_ETA_OP, LearnerModel, grid, recommend
-from async_april.tracking import progress
+from async_april.planning.planner import ASYNC_ETA_OP, LearnerModel, grid, recommend
+from async_april.run.tracking import progress
 
 WARMUP = 2
 CPU_PEAK = 1e12
@@ -66,7 +66,7 @@ def bench_tiny(steps: int, tmp: Path) -> dict:
     progress("tiny: sync (calibration and measurement)")
     sync_rows = run_with(mode_config("sync", tmp, over), on_step=collect)
     per_response = statistics.median(r["timing_s/train"] / r["rollout/tokens"] for r in sync_rows[WARMUP:])
-    # The planner costs a step by its rows' prompt + response tokens (async_april/planning.py LearnerModel)
+    # The planner costs a step by its rows' prompt + response tokens (async_april/planning/planner.py LearnerModel)
     s_per_token = statistics.median(r["timing_s/train"] / n for r, n in zip(sync_rows[WARMUP:], rows_tokens[WARMUP:]))
     hist = {str(k): lens.count(k) for k in sorted(set(lens))}
     hist_path = RESULTS / "plan_tiny_lengths.json"

@@ -48,7 +48,7 @@ import numpy as np
 
 from common import MODES, mode_config, run, write_json
 
-from async_april.tracking import progress
+from async_april.run.tracking import progress
 
 SIM_WORKLOADS = {
     # name: (max_new_tokens, real seconds per simulated second). The scale keeps a sync step at a
@@ -143,7 +143,7 @@ def steady_state_torch(cfg, seconds: float) -> float:
 
 def on_engine_core(cfg, measure):
     """Measure on the core a pinned run gives its engine (run.pin_cpus), so the ceiling and the runs match."""
-    from async_april.cpu_pinning import cpu_plan, pin_process, process_cores
+    from async_april.hosts.cpu_pinning import cpu_plan, pin_process, process_cores
 
     plan, _ = cpu_plan(cfg.rollout.num_actors) if cfg.run.pin_cpus else (None, "")
     if plan is None:

@@ -46,7 +46,7 @@ def _rank(rank: int, port: int, model_path: str, length: int, sp: int, out_dir: 
     import numpy as np
     import torch
 
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from async_april.config import config_from_dict
     from learners.worker import LearnerWorker
 

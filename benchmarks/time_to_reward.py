@@ -33,8 +33,8 @@ from pathlib import Path
 
 from common import MODES, RESULTS, final_reward, mode_config, reward_curve, run, time_to_target, write_json
 
-from async_april.plot import plot_curves
-from async_april.tracking import progress
+from async_april.run.plot import plot_curves
+from async_april.run.tracking import progress
 
 
 ETA4 = ["async.max_staleness=4", "rollout.over_provision=5"]

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from common import RESULTS, final_reward, mode_config, reward_curve, run, time_to_target, trailing_curve, write_json
 
-from async_april.plot import plot_curves
-from async_april.tracking import progress
+from async_april.run.plot import plot_curves
+from async_april.run.tracking import progress
 
 
 def run_trl(seed: int, steps: int, tmp: Path) -> tuple[list[tuple[float, float]], list[float]]:

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from async_april.batch import TrainBatch  # noqa: E402
+from async_april.rollout.batch import TrainBatch  # noqa: E402
 from async_april.config import config_from_dict  # noqa: E402
 from learners.group import LearnerGroup  # noqa: E402
 from learners.weight_sync import WeightSyncer, iter_buckets  # noqa: E402

@@ -8,7 +8,7 @@
     weight_export.py  the rank's full weights, bucketed (a mixin of LearnerWorker)
     group.py          LearnerGroup: one Ray actor per rank in a placement group
     weight_sync.py    WeightSyncer: the driver-side push to the engines (the bucket format and the
-                      transports' two ends: async_april/weight_buckets.py)
+                      transports' two ends: async_april/weights/buckets.py)
     weight_group.py   the nccl transport's broadcast group: its members, re-formed when the engines change
     checkpoint.py     per-rank model + optimizer shards (safetensors + JSON, no pickle), resharded on load
     hf_dir.py         a Hugging Face model directory from a full state dict

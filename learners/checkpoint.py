@@ -6,7 +6,7 @@ checkpoint under the final name):
 
     <dir>/rank_00000.safetensors   this rank's local shard of every model parameter and optimizer
     <dir>/rank_00000.json          state tensor, its RNG state arrays; the JSON holds the rest as plain
-                                   data (async_april/state_codec.py): for each sharded tensor its
+                                   data (async_april/run/state_codec.py): for each sharded tensor its
                                    global shape and this shard's offset, scheduler state, RNG
                                    states, step, policy version, consecutive bad steps
     <dir>/rank_00001.*             the same for every other rank
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from async_april import state_codec
+from async_april.run import state_codec
 
 SHARD_TAG = "$shard"
 

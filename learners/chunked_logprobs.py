@@ -15,7 +15,7 @@ so the backward adds nothing of [V, H] size; with bf16 weights (GPU) it is an fp
 accumulator beside the bf16 gradient returned, plus one [VOCAB_SLICE, H] product at a
 time. Before issue 38 each chunk also made a [V, H] product and its fp32 copy:
 8 bytes x V x H beyond the weights in fp32 (measured 8.7), 10 in bf16 (10.5), against
-4 and 6 now (tests/test_memory_plan.py, which async_april/memory_plan.py counts).
+4 and 6 now (tests/test_memory_plan.py, which async_april/planning/memory.py counts).
 The maths is `learners/logprobs.py`'s `token_logprobs`/`token_entropy` on the
 logits `h @ W^T`, in fp32 (or the inputs' dtype when wider, so float64 tests are
 exact).

@@ -24,12 +24,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from async_april.errors import UserError
-from async_april.network import ifname_env
-from async_april.weight_buckets import TensorSpec, broadcast_backend, plan_buckets
+from async_april.hosts.network import ifname_env
+from async_april.weights.buckets import TensorSpec, broadcast_backend, plan_buckets
 from learners.worker import INJECT_NAN_ENV, LearnerWorker
 
 if TYPE_CHECKING:
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from async_april.config import Config
 
 
@@ -59,14 +59,14 @@ class LearnerGroup:
         self.world_size = lc.world_size
         use_gpu = lc.device == "cuda" or (lc.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         bundle = {"GPU": lc.gpus_per_rank, "CPU": 1} if use_gpu else {"CPU": 1}
-        from async_april.placement import group_options
+        from async_april.hosts.placement import group_options
 
         self.pg = placement_group(**group_options(cfg.placement.learner, [dict(bundle) for _ in range(self.world_size)]))
         timeout_s = cfg.run.placement_timeout_s
         try:
             ray.get(self.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            from async_april.placement import free_resources_line
+            from async_april.hosts.placement import free_resources_line
 
             remove_placement_group(self.pg)
             raise LearnerPlacementError(
@@ -88,7 +88,7 @@ class LearnerGroup:
         )
         actor_cls = ray.remote(LearnerWorker)
         env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        env_vars.update(ifname_env(cfg))  # run.gloo/nccl_socket_ifname over the node's own (async_april/network.py)
+        env_vars.update(ifname_env(cfg))  # run.gloo/nccl_socket_ifname over the node's own (async_april/hosts/network.py)
         if os.environ.get(INJECT_NAN_ENV):  # test hook only; see docs/reliability.md
             env_vars[INJECT_NAN_ENV] = os.environ[INJECT_NAN_ENV]
         env = {"env_vars": env_vars}

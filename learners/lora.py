@@ -6,7 +6,7 @@
                                  each adapted Linear then runs `lean_forward` (peft's sum in three ops)
     frozen_base_dtype(...)       on GPU the frozen base is stored in model.dtype (bf16): nothing updates it,
                                  so its fp32 master copy would be memory spent for nothing
-    LoraExport                   the learner's tensors under the ENGINE's names (async_april/lora_weights.py):
+    LoraExport                   the learner's tensors under the ENGINE's names (async_april/weights/lora.py):
         merged   every base tensor, each adapted weight merged (W + scale * B @ A): full bytes, any engine
         adapter  only the factor pairs (A, scale * B): the torch engine merges them into the base it kept
     trainable_keys(model)        what a checkpoint holds: adapter parameters only (+ their optimizer state)
@@ -33,8 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from async_april.errors import UserError
-from async_april.lora_weights import adapter_names, merge_lora
-from async_april.weight_buckets import TensorSpec
+from async_april.weights.lora import adapter_names, merge_lora
+from async_april.weights.buckets import TensorSpec
 
 if TYPE_CHECKING:
     from async_april.config import Config, LoraConfig

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from async_april.batch import TrainBatch
+from async_april.rollout.batch import TrainBatch
 
 
 class SimulatedLearner:

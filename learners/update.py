@@ -30,7 +30,7 @@ from learners.logprobs import collate
 
 if TYPE_CHECKING:
     from async_april.algorithms.losses import LossSettings
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
 
 
 def split_mini_batches(batch: "TrainBatch", mini_batches: int) -> list["TrainBatch"]:

@@ -1,7 +1,7 @@
 """Weights out of a learner rank: the full model, bucketed for the engines (object store, disk, NCCL).
 
 A mixin of `LearnerWorker` (learners/worker.py), kept apart because it is its own idea: how sharded
-parameters leave the learner, one bucket at a time, in the format of async_april/weight_buckets.py.
+parameters leave the learner, one bucket at a time, in the format of async_april/weights/buckets.py.
 It uses the worker's `cfg`, `model`, `optimizer`, `rank`, `device` and `lora` (None, or learners/lora.py's
 `LoraExport`: adapter factors or merged weights under the base model's names). Every method is collective.
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from async_april.weight_buckets import TensorSpec, plan_buckets
+from async_april.weights.buckets import TensorSpec, plan_buckets
 
 
 class WeightExport:
@@ -80,7 +80,7 @@ class WeightExport:
 
     def write_weights(self, root: str, bucket_mb: float, version: int) -> str | None:
         """Disk transport: rank 0 writes safetensors buckets + manifest under root/v{version}. Collective."""
-        from async_april.weight_buckets import DiskBucketWriter
+        from async_april.weights.buckets import DiskBucketWriter
 
         writer = DiskBucketWriter(root, version) if self.rank == 0 else None
         for bucket in self.iter_weight_buckets(bucket_mb):
@@ -92,7 +92,7 @@ class WeightExport:
                               backend: str = "nccl", timeout_s: float = 600.0) -> None:
         """NCCL transport, rank 0 only: join the learner->engines broadcast group as its rank 0 (`backend`:
         weight_buckets.broadcast_backend of this rank's device); an earlier group is destroyed first."""
-        from async_april.weight_buckets import init_broadcast_group
+        from async_april.weights.buckets import init_broadcast_group
 
         if self.rank == 0:
             self.destroy_weight_broadcast()
@@ -101,7 +101,7 @@ class WeightExport:
 
     def destroy_weight_broadcast(self) -> None:
         """Rank 0's half of the broadcast group, if any (the engines destroy theirs themselves)."""
-        from async_april.weight_buckets import destroy_broadcast_group
+        from async_april.weights.buckets import destroy_broadcast_group
 
         group, self._bcast_group = getattr(self, "_bcast_group", None), None
         if group is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_april.console import say
+from async_april.run.console import say
 
 
 def nccl_group_layout(num_engines: int, tp_size: int) -> tuple[int, list[int]]:

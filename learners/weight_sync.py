@@ -1,7 +1,7 @@
 """Driver-side weight push: the learner group's current weights to every engine actor, in buckets.
 
 The bucket format and the transports' two ends (object store refs, disk directories, the NCCL
-broadcast group) are async_april/weight_buckets.py, re-exported here; this module adds the push,
+broadcast group) are async_april/weights/buckets.py, re-exported here; this module adds the push,
 and learners/weight_group.py the broadcast group's membership (re-formed when the engines change).
 """
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from async_april.weight_buckets import (  # noqa: F401 - re-exported: where callers always found them
+from async_april.weights.buckets import (  # noqa: F401 - re-exported: where callers always found them
     KEEP_DISK_VERSIONS,
     MANIFEST,
     MB,

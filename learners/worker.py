@@ -56,7 +56,7 @@ from learners.weight_export import WeightExport
 from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
 
 if TYPE_CHECKING:
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from async_april.config import Config
 
 INJECT_NAN_ENV = "ASYNC_APRIL_INJECT_NAN_STEPS"
@@ -404,7 +404,7 @@ class LearnerWorker(WeightExport):
 
     def pin_cpus(self, cores: tuple[int, ...]) -> None:
         """Pin this rank's process to `cores` (run.pin_cpus)."""
-        from async_april.cpu_pinning import pin_process
+        from async_april.hosts.cpu_pinning import pin_process
 
         pin_process(cores)
 

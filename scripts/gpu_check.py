@@ -160,7 +160,7 @@ def rollout(engine, args, vocab: int) -> tuple[dict, list]:
 def make_train_batch(samples: list, seed: int = 0):
     import numpy as np
 
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
 
     rng = np.random.default_rng(seed)
     ids = [np.concatenate([p, np.asarray(r.output_ids, np.int64)]) for p, r in samples]

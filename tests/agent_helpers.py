@@ -10,9 +10,9 @@ import pytest
 from actors.agents.env import EnvRow
 from async_april.config import load_config
 from async_april.data import PromptRow
-from async_april.store import RolloutStore
+from async_april.rollout.store import RolloutStore
 from async_april.tasks.reverse_turns import make_turn_rows
-from async_april.trajectory import Sample
+from async_april.rollout.trajectory import Sample
 
 
 

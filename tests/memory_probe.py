@@ -65,7 +65,7 @@ def main() -> None:
         print(json.dumps(head(*map(int, sys.argv[2:6]), sys.argv[6])))
         return
     model, tokens, row_len, ckpt, offload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from async_april.config import config_from_dict
     from learners.worker import LearnerWorker
 

@@ -86,7 +86,7 @@ import torch
 from aiohttp import web
 
 from actors.engine import GenerateRequest, SamplingParams
-from async_april.lora_weights import is_adapter_name
+from async_april.weights.lora import is_adapter_name
 from tests.sglang_api_types import GenerateRequest as ContractRequest
 from tests.sglang_api_types import JsonContractError
 from tests.sglang_rules import check_lengths, control_body_error, reported_spans, safe_loads, verify_sampling_params

@@ -25,7 +25,7 @@ stand-ins of one test process from holding groups of one name; here the gloo bac
 same key layout without the table (`_group_on_store`), so the wire protocol and torch's own checks
 (every member present, the same world size, a broadcast received by every rank) are unchanged. The
 backend is gloo whatever the request says: a request for nccl is refused (the stand-in has no GPU), and
-the learner joins over gloo when it runs on CPU (async_april/weight_buckets.py `broadcast_backend`).
+the learner joins over gloo when it runs on CPU (async_april/weights/buckets.py `broadcast_backend`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from async_april.data import PromptDataset
-from async_april.store import RolloutStore
+from async_april.rollout.store import RolloutStore
 from tests.agent_envs import GatedReverseEnv, SlowReverseEnv
 from tests.agent_helpers import (  # noqa: F401 - model_dir and tokenizer are fixtures
     LocalStore, env_row, fresh_sample, make_actor, make_cfg, model_dir, tokenizer, turn_rows)

@@ -19,7 +19,7 @@ import torch
 from actors.agents.env import EnvRow, EnvSpecError, load_env_class, make_env
 from async_april.config import load_config
 from async_april.tasks.reverse_turns import ReverseTurnsEnv
-from async_april.trajectory import Sample
+from async_april.rollout.trajectory import Sample
 from tests.agent_envs import HangingToolEnv, SlowReverseEnv
 from tests.agent_helpers import (  # noqa: F401 - model_dir and tokenizer are fixtures
     env_row, fresh_sample, make_actor, make_cfg, model_dir, run_episode, tokenizer, turn_rows)
@@ -63,8 +63,8 @@ def test_environment_tokens_get_zero_gradient_and_count_in_no_normaliser(model_d
     from transformers import AutoModelForCausalLM
 
     from async_april.algorithms.losses import LossSettings, policy_loss
-    from async_april.batch import build_train_batch
-    from async_april.trajectory import Group
+    from async_april.rollout.batch import build_train_batch
+    from async_april.rollout.trajectory import Group
     from learners.logprobs import collate, response_logprobs
 
     rng = np.random.default_rng(0)
@@ -288,7 +288,7 @@ def test_simulated_tool_episode_resumes_to_the_same_turns(model_dir, tokenizer):
 
 def test_a_multi_turn_partial_survives_a_checkpoint(tmp_path, no_pickle):
     """The episode's state, its pending step and its mask go through the pickle-free state files."""
-    from async_april import state_codec
+    from async_april.run import state_codec
 
     s = Sample(prompt_index=3, sample_index=1, prompt_ids=np.array([1, 4, 5]), answer="12,345")
     s.extend(np.array([5, 4, 2]), np.array([-0.1, -0.2, -0.3]), np.array([0, 0, 1]), "stop")

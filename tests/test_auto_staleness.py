@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from async_april.auto_staleness import MISSING_WARN_AFTER, Knob, OffPolicyTuner, StepSignals, TunerState
+from async_april.rollout.auto_staleness import MISSING_WARN_AFTER, Knob, OffPolicyTuner, StepSignals, TunerState
 from async_april.config import load_config
-from async_april.staleness import StalenessController
+from async_april.rollout.staleness import StalenessController
 
 
 def sig(ess=0.95, k3=0.001, wait=0.5):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from async_april.launch import cli
-from async_april.checkpointing import CheckpointManager
+from async_april.run.checkpoints import CheckpointManager
 from async_april.models.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def tampered_checkpoint(t: Path, edit, name: str = "store.json") -> Path:
     as whoever edited it would: only reading the state back can tell."""
     import hashlib
 
-    from async_april.checkpointing import model_shape
+    from async_april.run.checkpoints import model_shape
     from tests.test_store import abort, finish, make_store
 
     st = make_store()

@@ -62,7 +62,7 @@ def data_row(t: Path, line: str) -> str:
 
 
 def deep_manifest_checkpoint(t: Path) -> str:
-    from async_april.checkpointing import CheckpointManager
+    from async_april.run.checkpoints import CheckpointManager
 
     path = CheckpointManager(t / "deep").save(1, 1, FakeLearner(), {}, {"step": 1}, None, "h", {})
     write(path / "manifest.json", '{"format": 2, "step": ' + "[" * 50_000 + "]" * 50_000 + "}")
@@ -196,7 +196,7 @@ def test_check_opens_model_and_text_the_way_the_engines_will(case, over, pattern
 def test_a_sharded_model_with_every_shard_present_resolves(tmp_path, capsys, monkeypatch, no_ray):
     """The other side of `index-naming-a-missing-shard`: the check accepts a complete sharded model whose
     shards are symlinks into blobs/, as in the Hugging Face cache."""
-    from async_april.weight_files import check_model_dir
+    from async_april.weights.files import check_model_dir
 
     d = Path(tiny_copy(tmp_path, "ok", lambda d: _shard(d, missing=False)).partition("=")[2])
     assert check_model_dir(d, str(d))["model_type"] == json.loads((ensure_tiny_model() / "config.json").read_text())["model_type"]
@@ -240,7 +240,7 @@ def free_port() -> int:
 
 
 def a_checkpoint(t: Path) -> Path:
-    from async_april.checkpointing import CheckpointManager
+    from async_april.run.checkpoints import CheckpointManager
 
     return CheckpointManager(t / "r").save(1, 1, FakeLearner(), {}, {"step": 1}, None, "h", {})
 

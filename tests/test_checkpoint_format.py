@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_april import state_codec
-from async_april.checkpointing import CheckpointManager, fsync_tree
+from async_april.run import state_codec
+from async_april.run.checkpoints import CheckpointManager, fsync_tree
 from tests.test_store import abort, finish, make_store
 
 
@@ -56,6 +56,25 @@ def test_store_state_round_trips_without_pickle(tmp_path, no_pickle):
     assert [g.prompt_index for g in fresh.completed] == [g.prompt_index for g in st.completed]
     assert fresh.completed[0].samples[1].reward == st.completed[0].samples[1].reward
     assert set(fresh.open_groups) == set(st.open_groups)  # int keys survive JSON
+
+
+def test_a_store_state_saved_before_the_core_moved_into_folders_still_loads(tmp_path):
+    """Issue 39 moved trajectory.py and store.py into async_april/rollout/: a checkpoint written before names
+    the old modules (async_april.trajectory:Sample, async_april.store:_Counters) and loads as before."""
+    st = make_store(**{"rollout.over_provision": 3})
+    work = st.lease("a", 6, 0)
+    st.push("a", [abort(work[0], version=0), finish(work[2]), finish(work[3])])
+    state_codec.save(st.state_dict(), tmp_path, "store")
+    (doc,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    text = doc.read_text()
+    assert "async_april.rollout.trajectory:Sample" in text and "async_april.rollout.store:_Counters" in text
+    doc.write_text(text.replace("async_april.rollout.trajectory:", "async_april.trajectory:")
+                   .replace("async_april.rollout.store:", "async_april.store:"))
+    fresh = make_store(**{"rollout.over_provision": 3})
+    fresh.load_state_dict(state_codec.load(tmp_path, "store"))
+    fresh.check_accounting()
+    assert (fresh.cursor, fresh.counters, set(fresh.partials)) == (st.cursor, st.counters, set(st.partials))
+    assert type(fresh.partials[work[0].uid]).__module__ == "async_april.rollout.trajectory"
 
 
 def test_codec_round_trips_plain_data_and_refuses_anything_else(tmp_path):

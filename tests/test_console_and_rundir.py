@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from async_april import console, rundir
+from async_april.run import console
+from async_april.run import directory as rundir
 from async_april.config import load_config
 from async_april.errors import RunDirError
-from async_april.tracking import truncate_metrics
+from async_april.run.tracking import truncate_metrics
 
 
 def rows(n: int, reward=lambda s: s / 10) -> list[dict]:
@@ -130,7 +131,7 @@ def test_signals_stop_start_up_at_once_and_the_step_loop_at_a_step_boundary(caps
     import os
     import signal
 
-    from async_april.stopping import GracefulStop, Interrupted
+    from async_april.run.stopping import GracefulStop, Interrupted
 
     with pytest.raises(Interrupted, match="stopped by SIGTERM before a step finished; nothing new to save") as e:
         with GracefulStop():

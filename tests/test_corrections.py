@@ -316,7 +316,7 @@ def test_kept_counts_of_a_rank_without_rows_are_zero():
     """A rank whose shard of a mini-batch is empty still joins the all-reduce of the kept counts."""
     import numpy as np
 
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from learners.update import kept_counts
 
     empty = TrainBatch([], np.zeros(0, np.int64), [], [], np.zeros(0, np.float32), 0, proximal_logprobs=[])

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from async_april.cpu_pinning import cpu_plan, pin_process, process_cores
+from async_april.hosts.cpu_pinning import cpu_plan, pin_process, process_cores
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
 

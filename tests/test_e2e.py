@@ -191,8 +191,8 @@ def test_auto_eta_raises_while_generation_is_the_bottleneck_and_admission_follow
     assert rows[0]["staleness/max"] == 0  # step 1's groups were admitted at eta 0
     assert max(r["staleness/max"] for r in rows) <= 2
     assert all(0 < r["mismatch/ess"] <= 1 + 1e-6 for r in rows)  # <= 1 by Cauchy-Schwarz, up to float rounding
-    from async_april.auto_staleness import TunerState
-    from async_april.checkpointing import CheckpointManager
+    from async_april.rollout.auto_staleness import TunerState
+    from async_april.run.checkpoints import CheckpointManager
 
     saved = CheckpointManager(run_dir).latest_valid().controller_state()["async/tuner"]  # what a resume restores
     assert TunerState.from_dict(saved) == TunerState(seen=True)  # raised after step 3: window and calm start again

@@ -365,7 +365,7 @@ EARLY_MAX = 200
 async def _early_stop_with_a_late_lease(h: Harness):
     from actors.generation import GenerationActor
     from async_april.config import config_from_dict
-    from async_april.trajectory import Sample
+    from async_april.rollout.trajectory import Sample
 
     cfg = config_from_dict({"rollout": {"concurrency": 8, "max_new_tokens": EARLY_MAX}})
     mk = lambda p: Sample(prompt_index=p, sample_index=0, prompt_ids=np.asarray(PROMPT, np.int64), answer="1")  # noqa: E731

@@ -89,7 +89,7 @@ def test_eval_config_errors_name_the_key():
     ("cosine", [0.1, 0.55] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / 8)) for i in range(8)]),
 ])
 def test_lr_schedules_warm_up_and_decay_to_the_minimum(schedule, expected):
-    from async_april import state_codec
+    from async_april.run import state_codec
     from learners.optim import make_lr_scheduler
 
     lc = config_from_dict({"learner": {"lr": 1.0, "lr_schedule": schedule, "warmup_steps": 2, "min_lr_ratio": 0.1}}).learner
@@ -120,7 +120,7 @@ def test_lr_schedules_warm_up_and_decay_to_the_minimum(schedule, expected):
 
 
 def _roundtrip(obj):
-    from async_april import state_codec
+    from async_april.run import state_codec
 
     tree, arrays = state_codec.encode(obj)
     return json.loads(json.dumps(tree)), lambda tag: arrays[next(iter(tag.values()))]
@@ -171,7 +171,7 @@ def test_one_evaluation_uses_one_version_for_all_its_samples(tiny_model, tmp_pat
 
 class ExportedWeights:
     """What the Evaluator asks of a learner, from the tiny model's own weights: a policy version and the full
-    weights as object-store buckets, exported as LearnerGroup.weight_buckets does (async_april/weight_buckets.py)."""
+    weights as object-store buckets, exported as LearnerGroup.weight_buckets does (async_april/weights/buckets.py)."""
 
     def __init__(self, model_path, version: int):
         from transformers import AutoModelForCausalLM
@@ -183,7 +183,7 @@ class ExportedWeights:
     def weight_buckets(self, bucket_mb: float) -> list:
         import ray
 
-        from async_april.weight_buckets import bucketize
+        from async_april.weights.buckets import bucketize
 
         return [ray.put(b) for b in bucketize(self.state, bucket_mb)]
 
@@ -269,7 +269,7 @@ def test_eval_samples_never_reach_the_learner(trained, tiny_model):
     assert first[-1]["eval/completed"] >= 1 and first[-1]["eval/heldout/prompts"] == 16
     # The store saw only training work: 16 trained groups, each a training prompt; the evaluations'
     # 16 x (3 + 1) responses per version never entered it (the run checks its accounting every step).
-    from async_april import state_codec
+    from async_april.run import state_codec
 
     store = state_codec.load(run_dir / "checkpoints/step_00000004", "store")
     assert len(store["trained"]) == 16
@@ -317,7 +317,7 @@ def test_eval_command_reproduces_the_final_evaluation(trained):
 
 
 def test_plot_places_eval_reward_at_the_version_it_evaluated(trained, tmp_path):
-    from async_april.plot import eval_curves, plot_run
+    from async_april.run.plot import eval_curves, plot_run
 
     run_dir, first, resumed, _ = trained
     curves = eval_curves(first + resumed)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from async_april.checkpointing import CheckpointError, CheckpointManager
+from async_april.run.checkpoints import CheckpointError, CheckpointManager
 from async_april.config import load_config
 from tests.test_bad_input import TINY, jsonl, no_ray, run_cli, write  # noqa: F401 - no_ray is a fixture
 from tests.agent_helpers import model_dir, tokenizer  # noqa: F401 - fixtures
@@ -50,7 +50,7 @@ def save(root: Path, step: int, controller: dict | None = None, verify: str = "s
 
 def hold_lock_in_a_process(run_dir: Path) -> subprocess.Popen:
     """A separate process that takes the run directory's lock and keeps it until killed."""
-    code = ("import sys, time; from async_april.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from async_april.run.lock import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], env=ENV, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -60,7 +60,7 @@ def hold_lock_in_a_process(run_dir: Path) -> subprocess.Popen:
 # ------------------------------------------------------------------ two runs, one run directory
 
 def lock_here(run: Path):
-    from async_april.runlock import RunLock
+    from async_april.run.lock import RunLock
 
     return RunLock(run).acquire(), os.getpid()
 
@@ -100,7 +100,7 @@ def test_a_second_run_on_a_locked_run_dir_exits_2_and_changes_nothing(case, hold
 
 
 def test_a_stale_lock_of_a_killed_run_is_taken_over_and_said(tmp_path):
-    from async_april.runlock import RunLock
+    from async_april.run.lock import RunLock
 
     proc = hold_lock_in_a_process(tmp_path)
     with pytest.raises(Exception, match=rf"in use by another run \(pid {proc.pid} "):
@@ -120,7 +120,7 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over_and_said(tmp_path):
 # ------------------------------------------------------------------ durability
 
 def tracker_for(run_dir: Path, **kw):
-    from async_april.tracking import Tracker
+    from async_april.run.tracking import Tracker
 
     cfg = load_config(None, [f"run.dir={run_dir}", "logging.console_every=100"])
     return Tracker(cfg, run_dir, **kw)
@@ -206,7 +206,7 @@ def _fallback_with_size_verify(corrupt):
 
 
 def case_a_named_checkpoint_that_cannot_be_read_falls_back(tmp_path, caplog):
-    from async_april.checkpointing import resolve_resume
+    from async_april.run.checkpoints import resolve_resume
 
     save(tmp_path, 1)
     bad = save(tmp_path, 2)
@@ -293,7 +293,7 @@ def test_a_secret_in_a_config_value_reaches_no_file_under_run_dir(tmp_path, monk
     """config.yaml and W&B's offline run (its config, its files) hold the config with the URL password
     and the flag's value masked; metrics rows too. Run by the real Tracker with W&B offline."""
     from async_april.config import save_config
-    from async_april.tracking import Tracker
+    from async_april.run.tracking import Tracker
 
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_MODE", raising=False)

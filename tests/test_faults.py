@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_april.checkpointing import CheckpointManager
+from async_april.run.checkpoints import CheckpointManager
 from async_april.config import ConfigError, load_config
 from async_april.models.paths import resolve_model_path
 from async_april.launch.controller import init_ray, train
@@ -50,7 +50,7 @@ def rows(cfg):
 
 
 def store_state(ckpt_dir: Path) -> dict:
-    from async_april import state_codec
+    from async_april.run import state_codec
 
     return state_codec.load(ckpt_dir, "store")
 
@@ -134,7 +134,7 @@ def test_a_signal_while_waiting_for_a_batch_abandons_the_wait_and_loses_nothing(
 
     from actors.pool import ActorPool
     from async_april.data import PromptDataset, PromptRow
-    from async_april.store import RolloutStoreActor
+    from async_april.rollout.store_actor import RolloutStoreActor
 
     cfg = make_cfg(tmp_path, "rollout.batch_groups=2", "rollout.n_samples=2", "async.max_staleness=0",
                    "rollout.over_provision=1")
@@ -324,7 +324,7 @@ def test_reward_nan_or_hanging_is_scored_zero_and_counted(nan_reward_run):
 def test_run_checkpoint_loads_without_unpickling(nan_reward_run, no_pickle):
     """The run's checkpoint -- manifest, store, controller state and the learner's shards -- loads
     with every way of unpickling patched to fail, and restores the learner's exact weights."""
-    from async_april.store import RolloutStore
+    from async_april.rollout.store import RolloutStore
     from learners.worker import LearnerWorker
     from tests.test_learner import free_port
 

@@ -14,7 +14,7 @@ from actors.engine import GenerateRequest, SamplingParams
 from actors.engines.simulated import SimulatedEngine
 from async_april.algorithms.metrics import staleness_metrics
 from async_april.config import load_config
-from async_april.trajectory import Sample
+from async_april.rollout.trajectory import Sample
 from tests.test_store import finish, make_store
 
 

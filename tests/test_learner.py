@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_april.batch import TrainBatch
+from async_april.rollout.batch import TrainBatch
 from async_april.config import Config, config_from_dict
 from learners.logprobs import collate, response_logprobs, token_logprobs
 from learners.update import pack_micro_batches

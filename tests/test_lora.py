@@ -64,7 +64,7 @@ def test_engine_and_learner_logprobs_agree_on_fresh_tokens(model_path, mode):
     full-fine-tuning tolerance, and differ from the base model's (the adapters are really on)."""
     from actors.engine import GenerateRequest, SamplingParams
     from actors.engines.torch_engine import TorchEngine
-    from async_april.lora_weights import is_adapter_name
+    from async_april.weights.lora import is_adapter_name
 
     cfg = make_cfg(lr=2e-2, warmup_steps=0) if mode == "full" else lora_cfg(sync=mode)
     prompts = [np.array([3, 5, 7, 2][: 2 + i % 3] + [i + 1], np.int64) for i in range(6)]
@@ -248,7 +248,7 @@ def test_dropout_acts_in_the_gradient_only(model_path):
 def lora_run(model_path, tmp_path_factory):
     """A LoRA run directory as the run writes it (config.yaml, a run checkpoint by its CheckpointManager)
     after 2 training steps, and the trained policy's logits on a fixed sequence."""
-    from async_april.checkpointing import CheckpointManager, config_hash, model_shape
+    from async_april.run.checkpoints import CheckpointManager, config_hash, model_shape
 
     run_dir = tmp_path_factory.mktemp("lora-run") / "run"
     cfg = lora_cfg().model_copy(deep=True)
@@ -351,7 +351,7 @@ def test_engine_adapter_updates_are_all_or_nothing(model_path):
     from transformers import AutoModelForCausalLM
 
     from actors.engines.torch_batch import stage_weight_update
-    from async_april.lora_weights import adapter_names
+    from async_april.weights.lora import adapter_names
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}

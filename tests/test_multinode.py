@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from async_april.checkpointing import CheckpointManager
+from async_april.run.checkpoints import CheckpointManager
 from async_april.config import load_config
 from async_april.launch.controller import train
 from tests.multinode import LocalCluster, load_model_on_this_node
@@ -564,7 +564,7 @@ def test_check_on_the_live_cluster_then_a_sync_job_in_the_8gpu_layout_equals_the
         said = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "succeeded" in said, said[-5000:]
         assert f"run dir {run_dir} (new)" in said and "nodes see run.dir and the model" in said
-        # Ray sets the variable a relative run.dir is refused by (async_april/rundir.py; the refusal itself:
+        # Ray sets the variable a relative run.dir is refused by (async_april/run/directory.py; the refusal itself:
         # tests/test_bad_input.py, "run-dir-relative-under-ray-job"), so that check sees real jobs.
         assert "as a `ray job submit` driver" in said
         assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000001", "step_00000002", "step_00000003"]

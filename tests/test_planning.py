@@ -10,8 +10,8 @@ import pytest
 from async_april.config import load_config
 from async_april.errors import UserError
 from async_april.launch.cli import main as cli_main
-from async_april.plan_sim import engine_ceiling, simulate
-from async_april.planning import (
+from async_april.planning.planner.simulator import engine_ceiling, simulate
+from async_april.planning.planner import (
     COLUMNS,
     TIE,
     LearnerModel,
@@ -242,7 +242,7 @@ def test_the_cpu_calibration_is_the_tiny_benchmarks():
     """planning.CpuCalibration's engine and host figures are benchmarks/results/plan_accuracy_tiny.json's, rounded."""
     from pathlib import Path
 
-    from async_april.planning import CpuCalibration
+    from async_april.planning.planner import CpuCalibration
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     cal = json.loads((results / "plan_accuracy_tiny.json").read_text())["calibration"]

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from async_april.config import ConfigError, load_config
-from async_april.network import describe_ifnames, ifname_env, node_facts, rendezvous_problems
+from async_april.hosts.network import describe_ifnames, ifname_env, node_facts, rendezvous_problems
 
 
 def facts(monkeypatch, resolved: str, ip: str, node_id: str, env: dict[str, str] | None = None) -> dict:

@@ -86,11 +86,11 @@ def sync_reference(cfg, steps):
     from actors.engines.torch_engine import TorchEngine
     from actors.generation import sampling_seed
     from async_april.algorithms.advantages import compute_advantages
-    from async_april.batch import build_train_batch
+    from async_april.rollout.batch import build_train_batch
     from async_april.data import load_prompts
     from async_april.models.paths import resolve_model_path
     from async_april.rewards import get_reward_fn
-    from async_april.trajectory import Group, Sample
+    from async_april.rollout.trajectory import Group, Sample
     from learners.worker import LearnerWorker
 
     path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))

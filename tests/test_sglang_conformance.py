@@ -844,7 +844,7 @@ def test_37_1_the_weight_group_is_a_real_group_that_enforces_its_members(standin
 
     import torch.distributed as dist
 
-    from async_april.weight_buckets import destroy_broadcast_group, init_broadcast_group
+    from async_april.weights.buckets import destroy_broadcast_group, init_broadcast_group
 
     standin.wait_ready()
     sd = {k: v for k, v in perturbed(model_dir, 0.1).items() if k != "lm_head.weight"}  # tied: sent once

@@ -2,7 +2,7 @@
 
 import pytest
 
-from async_april.staleness import StalenessController
+from async_april.rollout.staleness import StalenessController
 
 
 def test_eta_zero_is_synchronous():

@@ -7,7 +7,7 @@ import pytest
 
 from async_april.config import load_config
 from async_april.data import PromptDataset, PromptRow
-from async_april.store import RolloutStore
+from async_april.rollout.store import RolloutStore
 
 
 def make_store(**over):

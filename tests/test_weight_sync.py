@@ -93,7 +93,7 @@ def model_path(tmp_path_factory) -> str:
 def trained_group(ray_cluster, model_path):
     """A 2-rank learner after one step (so the weights differ from the files on disk); its gloo groups bind
     loopback by run.gloo_socket_ifname (one machine)."""
-    from async_april.batch import TrainBatch
+    from async_april.rollout.batch import TrainBatch
     from async_april.config import config_from_dict
     from learners.group import LearnerGroup
 

@@ -37,7 +37,7 @@ from actors.agents.env import make_env
 from actors.agents.threads import in_thread
 from async_april.environment import EnvRow, Step, on_failure
 from async_april.config import Config
-from async_april.trajectory import Sample
+from async_april.rollout.trajectory import Sample
 
 
 class StepAborted(Exception):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from actors.engine import WeightBucket
-from async_april.lora_weights import is_adapter_name, merge_lora, pair_adapters
+from async_april.weights.lora import is_adapter_name, merge_lora, pair_adapters
 
 
 def lpad(x: torch.Tensor, T: int, dim: int = 2) -> torch.Tensor:
@@ -80,7 +80,7 @@ def stage_weight_update(model: torch.nn.Module, buckets: Iterable[WeightBucket],
     """Every (parameter, new value) pair of an update, checked (names, shapes, dtypes, coverage) before
     anything is copied, so a failed update leaves the model as it was. Raises on the first problem.
 
-    An update of LoRA adapter factors (names `<weight>.lora_A/B`, async_april/lora_weights.py) is staged
+    An update of LoRA adapter factors (names `<weight>.lora_A/B`, async_april/weights/lora.py) is staged
     by `stage_adapter_update` against `lora_base` (the engine's kept base weights)."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers()))

@@ -178,7 +178,7 @@ class LearnerConfig(Section):
     """Ulysses sequence parallelism: each row's positions are split over this many ranks, which all-to-all over attention heads (docs/learner.md, Sequence parallelism). Must divide `world_size` and the model's attention and KV heads; the ranks form world_size / sequence_parallel data-parallel groups, FSDP2 shards over all ranks."""
     # -- memory plan (docs/learner.md, Memory plan): keep these two together
     gpu_memory_gb: float | None = Field(None, gt=0.0)
-    """GPU memory (GB) `async-april check` plans each learner rank against (async_april/memory_plan.py); None: the GPU torch.cuda sees where check runs, and no refusal where it sees none."""
+    """GPU memory (GB) `async-april check` plans each learner rank against (async_april/planning/memory.py); None: the GPU torch.cuda sees where check runs, and no refusal where it sees none."""
     offload_optimizer: bool = False
     """Keep the fp32 master weights, gradients and AdamW state in host memory and run the optimizer step on the CPU (FSDP2 `CPUOffloadPolicy`): the GPU holds only the gathered bf16 weights and activations. For a 1-GPU recipe that shares its GPU with SGLang; each step copies the weights in and the gradients out."""
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from async_april.config.base import ConfigError
 from async_april.config.root import Config
 from async_april.errors import short_repr
-from async_april.masking import mask_config
+from async_april.run.masking import mask_config
 from async_april.structured import DuplicateKeyError, NestingError, load_yaml
 
 OVERRIDES_HELP = "dotted overrides, e.g. rollout.n_samples=4 async.max_staleness=2 (docs/configuration.md)"
@@ -141,7 +141,7 @@ def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> None:
 
 
 def save_config(cfg: Config, run_dir: Path) -> Path:
-    """Write the resolved config as run_dir/config.yaml, every secret in it masked (async_april/masking.py)."""
+    """Write the resolved config as run_dir/config.yaml, every secret in it masked (async_april/run/masking.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
     out.write_text(yaml.safe_dump(mask_config(cfg.to_yaml_dict()), sort_keys=False))

@@ -30,7 +30,7 @@ class RunConfig(Section):
     overwrite: bool = False
     """Start from scratch in a run directory that already holds a run: its contents are first moved to `<run.dir>.old-<UTC time>` next to it (delete that yourself). Cannot be combined with `resume`."""
     pin_cpus: bool = False
-    """CPU runs on one machine: pin each generation actor to a core of its own and the learner, store and driver to the other cores, as a cluster dedicates GPUs (async_april/cpu_pinning.py). Needs Linux and rollout.num_actors + 1 cores; otherwise a warning and no pinning."""
+    """CPU runs on one machine: pin each generation actor to a core of its own and the learner, store and driver to the other cores, as a cluster dedicates GPUs (async_april/hosts/cpu_pinning.py). Needs Linux and rollout.num_actors + 1 cores; otherwise a warning and no pinning."""
 
 
     gloo_socket_ifname: str | None = None

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
-    from async_april.stopping import Interrupted
+    from async_april.run.stopping import Interrupted
 
     if args.command == "build-model":
         from async_april.models.tiny import main as build_main
@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
         return plan_main(rest)
     if args.command == "plot":
-        from async_april.plot import main as plot_main
+        from async_april.run.plot import main as plot_main
 
         plot_main(rest)
         return 0
@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     if args.command == "check":
         import yaml
 
-        from async_april.console import say
+        from async_april.run.console import say
         from async_april.launch.memory_check import show_and_check_memory
         from async_april.launch.resolve import CHECK_ROWS, Checks, check_cluster, resolve
 

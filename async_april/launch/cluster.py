@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from async_april.config import Config
-from async_april.console import say
+from async_april.run.console import say
 from async_april.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def warn_if_layout_does_not_fit(cfg: Config) -> None:
     """`check`'s layout fit (async_april/launch/layout.py) on the live nodes: a warning here, since Ray
     may still find room (nodes joining; a sketch of its scheduler can be wrong), and actors then wait."""
     from async_april.launch.layout import fit_layout, live_nodes
-    from async_april.placement import driver_node_id
+    from async_april.hosts.placement import driver_node_id
 
     layout = fit_layout(cfg, live_nodes(), driver_node_id())
     if layout.problems:
@@ -152,7 +152,7 @@ def wait_for_layout(cfg: Config) -> tuple[list[str], float]:
     fits) and the seconds waited. A rebuild that started without this would place the learner first and
     take GPUs the engines then wait for for ever (a 2 x 4-GPU layout that lost its learner's node)."""
     from async_april.launch.layout import fit_layout, live_nodes
-    from async_april.placement import driver_node_id
+    from async_april.hosts.placement import driver_node_id
 
     t0 = time.monotonic()
     problems = fit_layout(cfg, live_nodes(), driver_node_id()).problems
@@ -168,7 +168,7 @@ def wait_for_layout(cfg: Config) -> tuple[list[str], float]:
 def restart_or_raise(cfg: Config, error: BaseException, restarts: int):
     """The run resolved again from its latest checkpoint (run.max_restarts), or RunStateLost (LayoutLost
     when the cluster cannot hold the layout any more)."""
-    from async_april.checkpointing import CheckpointManager
+    from async_april.run.checkpoints import CheckpointManager
     from async_april.launch.resolve import resolve
 
     latest = CheckpointManager(cfg.run_dir).latest_valid()
@@ -209,7 +209,7 @@ class PlacementRecord:
 
     def update(self, store, learner, pool, evaluator=None, announce: bool = False) -> bool:
         """Ask each actor not yet recorded where it runs; drop the ones gone. Returns whether it changed."""
-        from async_april.placement import describe, node_of, write_record
+        from async_april.hosts.placement import describe, node_of, write_record
 
         live = {"store": ("store", store)}
         for r, w in enumerate(getattr(learner, "workers", [])):

@@ -53,7 +53,7 @@ class Evaluator:
             import ray
 
             from actors.evaluation import EvalActor
-            from async_april.placement import actor_options
+            from async_april.hosts.placement import actor_options
 
             self.actor = ray.remote(EvalActor).options(num_cpus=0, num_gpus=self.cfg.rollout.gpus_per_actor, max_concurrency=4,
                                                        **actor_options(self.cfg.placement.eval)).remote(self.cfg, self.model_path, self.sets)

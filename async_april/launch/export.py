@@ -23,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from async_april.checkpointing import MANIFEST, Checkpoint, CheckpointError, CheckpointManager, check_model_fits, model_shape
+from async_april.run.checkpoints import MANIFEST, Checkpoint, CheckpointError, CheckpointManager, check_model_fits, model_shape
 from async_april.errors import UserError
 
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true", help="LoRA runs: write the base with the adapters merged in "
                     "(a plain Hugging Face directory) instead of peft's adapter directory")
     a = ap.parse_args(argv)
-    from async_april.console import say
+    from async_april.run.console import say
 
     out = export_checkpoint(a.checkpoint, a.out_dir, a.dtype, a.merge)
     say(f"exported {a.checkpoint} to {out}")

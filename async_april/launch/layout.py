@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_april.config import Config
-from async_april.placement import RESOURCE_SHARE, custom_resource
+from async_april.hosts.placement import RESOURCE_SHARE, custom_resource
 
 
 @dataclass
@@ -95,6 +95,6 @@ def fit_layout(cfg: Config, nodes: list[dict[str, Any]], driver_node_id: str | N
 
 def live_nodes() -> list[dict[str, Any]]:
     """The connected cluster's live nodes with their declared (total) resources."""
-    from async_april.placement import nodes_summary
+    from async_april.hosts.placement import nodes_summary
 
     return nodes_summary()

@@ -1,4 +1,4 @@
-"""`async-april check`'s memory plan: the config and the resolved model into async_april/memory_plan.py's
+"""`async-april check`'s memory plan: the config and the resolved model into async_april/planning/memory.py's
 inputs, the per-rank table printed, and a recipe that cannot fit refused (docs/learner.md, Memory plan)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from async_april.config import Config
 from async_april.errors import UserError
-from async_april.memory_plan import (
+from async_april.planning.planner.memory import (
     LogitsPath,
     ModelDims,
     Plan,
@@ -78,7 +78,7 @@ def check_memory(cfg: Config, dims: ModelDims) -> Plan:
 
 def show_and_check_memory(cfg: Config, model_path: str | Path) -> Plan:
     """`check`'s memory step: the parameter counts and the per-rank table printed, then `check_memory`'s refusal."""
-    from async_april.console import say
+    from async_april.run.console import say
     from learners.lora import describe_counts, parameter_counts
 
     counts = parameter_counts(model_path, cfg.learner.lora)

@@ -5,7 +5,7 @@
                                   (a marker file the driver has just written, looked for on the node)
         a local model.path        shared: every engine and learner rank loads that directory
         a hub ID                  per node: the commit the driver resolved (`org/name[@rev]` -> snapshots/<commit>),
-                                  in the node's OWN Hugging Face cache, read offline (async_april/hub.py)
+                                  in the node's OWN Hugging Face cache, read offline (async_april/models/hub.py)
         builtin:*                 nothing: each node builds it (async_april/models/tiny.py)
     .start()                      every live node, once Ray is up (several nodes, or one that is not the driver's)
     .problems(node_ids)           the nodes not seen before are probed (an elastic joiner, the node a learner is
@@ -33,7 +33,7 @@ def _probe_node(spec: dict[str, Any]) -> dict[str, Any]:
 
     import ray
 
-    from async_april.hub import cached_snapshot, hub_cache_dir, offline
+    from async_april.models.hub import cached_snapshot, hub_cache_dir, offline
 
     answer = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
               "missing": [key for key, p in spec["paths"].items() if not os.path.exists(p)]}
@@ -64,7 +64,7 @@ class NodeChecks:
         resolved the model); returns the nodes checked. SharedStorageError if any lacks something."""
         import ray
 
-        from async_april.placement import driver_node_id
+        from async_april.hosts.placement import driver_node_id
 
         alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
         if alive == [driver_node_id()]:
@@ -92,7 +92,7 @@ class NodeChecks:
 
     def problem_of(self, handle) -> tuple[str, str | None]:
         """(node id, what it lacks or None) for the node a live actor runs on, probed if not seen before."""
-        from async_april.placement import node_of
+        from async_april.hosts.placement import node_of
 
         node = node_of(handle)["node_id"]
         return node, self.problems([node]).get(node)
@@ -116,7 +116,7 @@ class NodeChecks:
             marker.unlink(missing_ok=True)
 
     def _verdict(self, answer: dict[str, Any]) -> str | None:
-        from async_april.hub import missing_commit
+        from async_april.models.hub import missing_commit
 
         where = f"node {answer['node_id'][:8]} ({answer['ip']})"
         lines = []

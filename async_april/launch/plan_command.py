@@ -1,8 +1,8 @@
 """`async-april plan CONFIG [KEY=VALUE ...] [--lengths HIST.json] [--gpus N] ...`: a capacity planner.
 
 Before renting GPUs: for every rollout:learner split of `--gpus` and every mode (sync, APRIL,
-async) at several eta and over-provisioning values (async_april/planning.py `grid`), a
-discrete-event simulation of the run (async_april/plan_sim.py: the real store and its admission,
+async) at several eta and over-provisioning values (async_april/planning/planner.py `grid`), a
+discrete-event simulation of the run (async_april/planning/simulator.py: the real store and its admission,
 the simulated engine's latency model, a modelled learner) gives useful tokens/s, engine
 utilisation, staleness and waste; the table shows them with the analytic ceiling
 (gen + train) / max(gen, train) beside each, and the best row is the recommendation.
@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from async_april.errors import UserError
-from async_april.planning import (
+from async_april.planning.planner import (
     LearnerModel,
     Row,
     Setting,
@@ -169,7 +169,7 @@ def row_config(cfg, s: Setting, engines: int):
 def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_tokens: int = 256, steps: int = 12,
          settings: list[Setting] | None = None, shared_host_slowdown: float = 1.0) -> list[Row]:
     """Simulate every setting (default: the grid for `gpus`) and return the table's rows."""
-    from async_april.plan_sim import engine_ceiling, simulate
+    from async_april.planning.planner.simulator import engine_ceiling, simulate
 
     if steps <= WARMUP:
         raise UserError(f"--steps {steps}: needs more than the {WARMUP} warm-up steps")
@@ -201,8 +201,8 @@ def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_toke
 
 def main(argv: list[str]) -> int:
     from async_april.config import load_config
-    from async_april.console import say
-    from async_april.planning import CpuCalibration
+    from async_april.run.console import say
+    from async_april.planning.planner import CpuCalibration
 
     a = parse_args(argv)
     cfg = load_config(a.config, a.overrides)

@@ -1,6 +1,6 @@
 """At start: the rendezvous interfaces of a run, said in one line, and nodes that would hang it named.
 
-    check_rendezvous(cfg) -> str   one line (async_april/network.py `describe_ifnames`); with more than
+    check_rendezvous(cfg) -> str   one line (async_april/hosts/network.py `describe_ifnames`); with more than
                                    one live node, `node_facts` from every node first, and a node whose
                                    hostname resolves to loopback (or whose configured interface is
                                    missing) on a cluster that spans machines is a RendezvousError when the
@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 from async_april.config import Config
-from async_april.console import say
+from async_april.run.console import say
 from async_april.errors import UserError
-from async_april.network import describe_ifnames, ifname_env, node_facts, rendezvous_problems
+from async_april.hosts.network import describe_ifnames, ifname_env, node_facts, rendezvous_problems
 
 
 class RendezvousError(UserError, RuntimeError):

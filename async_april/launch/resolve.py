@@ -8,8 +8,8 @@
       rewards      every name in reward.functions imported (this runs the user's module)
       env          rollout.env imported and built once with rollout.agent.env_args (multi-turn)
       model        model.path -> a local directory (built for builtin:, a hub ID via the Hugging Face
-                   cache: async_april/hub.py) whose config.json and weight headers open as the
-                   engines will open them (async_april/weight_files.py), its tokenizer,
+                   cache: async_april/models/hub.py) whose config.json and weight headers open as the
+                   engines will open them (async_april/weights/files.py), its tokenizer,
                    and a checkpoint being resumed must be of this model's shape (LoRA: of this
                    very base, by the sha256 of its weights)
       engine       SGLang: this environment must not make its logprobs pre-temperature
@@ -28,7 +28,7 @@ first; every failure is a UserError (async_april/errors.py) naming the key, file
 or row and the fix. `train` stops at the first; `check` runs each check through a
 collecting `Checks` and lists every problem, one line each, skipping (and naming)
 only the checks that need one that failed. Nothing is written: `train` then
-prepares the run directory (async_april/rundir.py) and starts the run with what
+prepares the run directory (async_april/run/directory.py) and starts the run with what
 this returns.
 """
 
@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from async_april import rundir
-from async_april.checkpointing import (NOT_WRITTEN_BY_US, Checkpoint, CheckpointError, check_model_fits, model_shape,
+from async_april.run import directory as rundir
+from async_april.run.checkpoints import (NOT_WRITTEN_BY_US, Checkpoint, CheckpointError, check_model_fits, model_shape,
                                        resolve_resume)
 from async_april.config import Config
 from async_april.data import PromptDataset, load_prompts
 from async_april.errors import ModelError, UserError, UserErrors, one_line
-from async_april.tracking import check_wandb_key
-from async_april.weight_files import check_model_dir
+from async_april.run.tracking import check_wandb_key
+from async_april.weights.files import check_model_dir
 from async_april.evaluation import EvalSet, load_eval_sets
 from async_april.rewards import RewardFn, check_reward_signature, get_reward_fn
 
@@ -192,7 +192,7 @@ def check_resume_state(cfg: Config, dataset: PromptDataset, ck: Checkpoint) -> N
     """The resumed checkpoint's controller and store state read back as the restore will read them, into a
     store of this config whose accounting must hold: CheckpointError naming the file otherwise, before
     anything is written or started (a crafted state would else end in a traceback after Ray started)."""
-    from async_april.store import RolloutStore
+    from async_april.rollout.store import RolloutStore
 
     ck.check_controller_state()
     state = ck.store_state()
@@ -298,7 +298,7 @@ def cluster_layout_if_reachable(cfg: Config):
 def check_cluster(cfg: Config) -> None:
     """`check`'s resources step: against the Ray cluster run.ray_address / RAY_ADDRESS names (if any), the
     GPUs reserved and the per-node layout fit, printed; ResourceError when they do not fit."""
-    from async_april.console import say
+    from async_april.run.console import say
 
     live = cluster_layout_if_reachable(cfg)
     if live is None:

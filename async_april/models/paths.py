@@ -2,7 +2,7 @@
 
     builtin:tiny-reverse[-turns]  -> built on first use (async_april/models/tiny.py)
     a local Hugging Face directory -> itself
-    org/name[@revision]            -> its snapshot in the Hugging Face cache (async_april/hub.py)
+    org/name[@revision]            -> its snapshot in the Hugging Face cache (async_april/models/hub.py)
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from async_april.hub import parse_hub_id, pinned_commit, resolve_hub_model, snapshot_on_this_node
+from async_april.models.hub import parse_hub_id, pinned_commit, resolve_hub_model, snapshot_on_this_node
 from async_april.models.tiny import BUILTIN_TASKS, DEFAULT_CACHE_DIR, ensure_tiny_model
 
 
 def resolve_model_path(path: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     """`builtin:tiny-reverse` -> the built tiny model; a local Hugging Face directory; else a hub ID
-    `org/name[@revision]` -> its snapshot in the Hugging Face cache (async_april/hub.py)."""
+    `org/name[@revision]` -> its snapshot in the Hugging Face cache (async_april/models/hub.py)."""
     if path in BUILTIN_TASKS:
         return ensure_tiny_model(cache_dir, task=BUILTIN_TASKS[path])
     hint = f"set model.path to a Hugging Face model directory, a hub ID (org/name[@revision]) or one of {sorted(BUILTIN_TASKS)}"

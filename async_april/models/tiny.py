@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from async_april.console import say
+from async_april.run.console import say
 from async_april.models.warm_start import evaluate, evaluate_turns, sft_rows, warm_start
 from async_april.tasks.reverse import LENGTH_BUCKETS, LENGTH_PROBS, sample_reverse_rows
 

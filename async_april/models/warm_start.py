@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from async_april.console import stage
+from async_april.run.console import stage
 from async_april.rewards.reverse import reverse_match
 from async_april.tasks.reverse import sample_reverse_rows
 

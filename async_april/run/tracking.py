@@ -17,7 +17,7 @@ after it) never exists for a step whose row is not on disk.
 
 Secrets (WANDB_API_KEY and friends) are read from the environment by wandb
 itself and never pass through here; as a second guard, any string logged here,
-and the config handed to W&B, have secrets masked (async_april/masking.py).
+and the config handed to W&B, have secrets masked (async_april/run/masking.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from async_april.config import Config
-from async_april.console import TrainingProgress, run_summary, say
+from async_april.run.console import TrainingProgress, run_summary, say
 from async_april.errors import UserError, one_line
-from async_april.masking import mask_config, redact, secret_values
+from async_april.run.masking import mask_config, redact, secret_values
 from async_april.structured import loads_json
 
 

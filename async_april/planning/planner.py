@@ -1,6 +1,6 @@
 """The capacity planner's model: a learner's step time, the grid of settings, the table, the pick.
 
-Pure logic (no Ray, no engine): `async_april/plan_sim.py` simulates each setting and
+Pure logic (no Ray, no engine): `async_april/planning/simulator.py` simulates each setting and
 `async_april/launch/plan_command.py` (`async-april plan`) wires both to a config.
 
     modelled learner   train_s(tokens) = flops per token * tokens / (learner_gpus * peak_flops * mfu)

@@ -33,11 +33,19 @@ SCHEMA = "async-april/state"
 VERSION = 1
 
 ALLOWED_DATACLASSES = frozenset({
-    "async_april.trajectory:Sample",
-    "async_april.trajectory:Group",
-    "async_april.store:_Counters",
+    "async_april.rollout.trajectory:Sample",
+    "async_april.rollout.trajectory:Group",
+    "async_april.rollout.store:_Counters",
 })
 """Dataclasses a checkpoint may hold. Add a class here to checkpoint it; nothing else is ever imported on load."""
+
+MOVED_DATACLASSES = {
+    "async_april.trajectory:Sample": "async_april.rollout.trajectory:Sample",
+    "async_april.trajectory:Group": "async_april.rollout.trajectory:Group",
+    "async_april.store:_Counters": "async_april.rollout.store:_Counters",
+}
+"""Where a checkpointed class lives now (issue 39 moved the core into folders): checkpoints written before
+the move name the old module and still load."""
 
 Fetch = Callable[[dict], Any]
 """Returns the array for an array tag (`{"$nd": key}`, `{"$pt": key}`, or a caller's own tag)."""
@@ -139,6 +147,7 @@ def _hashable(k: Any) -> Any:
 
 
 def _dataclass(name: str, fields: dict[str, Any]) -> Any:
+    name = MOVED_DATACLASSES.get(name, name)
     if name not in ALLOWED_DATACLASSES:
         raise StateFormatError(f"state names dataclass {name!r}, which is not in state_codec.ALLOWED_DATACLASSES")
     module, _, qualname = name.partition(":")

@@ -21,7 +21,7 @@ so a long group admitted early can be overtaken by newer short ones until its
 oldest token is past eta. Batches are therefore chosen earliest deadline first
 (`is_due`): the store waits for a started group whose deadline is the current
 version rather than fill the batch with newer groups, and regenerates at once a
-started group already past it (async_april/store.py).
+started group already past it (async_april/rollout/store.py).
 """
 
 from __future__ import annotations

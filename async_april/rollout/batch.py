@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from async_april.trajectory import Group
+from async_april.rollout.trajectory import Group
 
 
 @dataclass

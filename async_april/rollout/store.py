@@ -9,17 +9,16 @@ exactly one state -- in flight, partial, completed (waiting for a batch),
 trained, filtered, dropped or skipped (its learner step was skipped) -- and
 `accounting()` proves it.
 
-`RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor` wraps
-it as an async Ray actor whose `get_batch` waits without blocking pushes.
-Everything here, leases included, is saved by `state_dict()`. (A little over
-400 lines: admission, work order, batching and accounting are one state
-machine over the same groups, and splitting it would spread each invariant
-over two files.)
+`RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor`
+(rollout/store_actor.py) wraps it as an async Ray actor whose `get_batch` waits
+without blocking pushes. Everything here, leases included, is saved by
+`state_dict()`. Admission, work order, batching and accounting stay in this one
+file: they are one state machine over the same groups, and splitting it would
+spread each invariant over two files.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ import numpy as np
 
 from async_april.config import Config
 from async_april.data import PromptDataset
-from async_april.staleness import StalenessController
-from async_april.trajectory import Group, Sample
+from async_april.rollout.staleness import StalenessController
+from async_april.rollout.trajectory import Group, Sample
 
 PUSH_FINISHED = "finished"
 
@@ -71,7 +70,7 @@ class RolloutStore:
         self.controller = StalenessController(self.batch_groups, self.max_staleness, self.over_provision)
         self.group_eta: dict[int, int] = {}
         """eta each untrained group was admitted under: after eta is lowered it keeps that bound, so
-        no admitted group becomes too stale to train (async_april/auto_staleness.py)."""
+        no admitted group becomes too stale to train (async_april/rollout/auto_staleness.py)."""
         self.version = 0
         self.cursor = 0
         self.open_groups: dict[int, Group] = {}
@@ -427,7 +426,7 @@ class RolloutStore:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()`'s output; ValueError naming the entry for anything else (a checkpoint
-        edited by hand would otherwise set any attribute to anything: async_april/checkpointing.py)."""
+        edited by hand would otherwise set any attribute to anything: async_april/run/checkpoints.py)."""
         unknown = sorted(str(k) for k in state if k not in self.__dict__ or k in self._NOT_SAVED)
         if unknown:
             raise ValueError(f"the store state holds entries a store does not have: {', '.join(unknown[:5])}")
@@ -441,41 +440,3 @@ class RolloutStore:
         # Tuned settings continue from the checkpoint; fixed ones are the config's (it may have been changed).
         self.over_provision = self.over_provision if self.auto_over_provision else configured[1]
         self.set_max_staleness(self.max_staleness if self.auto_eta else configured[0])
-
-
-class RolloutStoreActor(RolloutStore):
-    """Async Ray actor face of the store: methods run one at a time on its event loop."""
-
-    def __init__(self, cfg: Config, dataset: PromptDataset):
-        super().__init__(cfg, dataset)
-        self._changed = asyncio.Event()
-        """Set by every push and control call: `get_batch` looks again only then."""
-
-    async def get_batch(self, recheck_s: float = 1.0) -> list[Group]:
-        # Re-examined only when a push or a control call changed something: polling would re-check
-        # every waiting group's staleness hundreds of times a second, on the learner's CPU share.
-        while (batch := self.try_get_batch()) is None:
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), recheck_s)
-            except asyncio.TimeoutError:
-                pass
-        return batch
-
-    async def lease_async(self, actor_id: str, max_items: int, engine_version: int) -> list[Sample]:
-        return self.lease(actor_id, max_items, engine_version)
-
-    async def push_async(self, actor_id: str, samples: list[Sample], early_stop: bool = False) -> None:
-        self.push(actor_id, samples, early_stop)
-        self._changed.set()
-
-    async def call(self, method: str, *args, **kwargs):
-        out = getattr(self, method)(*args, **kwargs)
-        self._changed.set()
-        return out
-
-    def pin_cpus(self, cores: tuple[int, ...]) -> None:
-        """Pin the store's process to `cores` (run.pin_cpus)."""
-        from async_april.cpu_pinning import pin_process
-
-        pin_process(cores)

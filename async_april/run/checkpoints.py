@@ -4,7 +4,7 @@ Layout (one directory per checkpoint, under `run.dir/checkpoints/`):
 
     step_00000012/
       learner/          learners/checkpoint.py: per-rank safetensors shards + JSON index
-      store.json        RolloutStore.state_dict() as plain data (async_april/state_codec.py):
+      store.json        RolloutStore.state_dict() as plain data (async_april/run/state_codec.py):
       store.safetensors prompt cursor, open groups, partial buffer (tokens, logprobs, versions
                         as arrays), completed groups, trained/filtered lists, counters
       controller.json   step, policy version, elapsed time, cumulative controller counters
@@ -41,11 +41,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from async_april import state_codec
+from async_april.run import state_codec
 from async_april.config import Config, ConfigError
 from async_april.errors import UserError, one_line, short_repr
 from async_april.structured import loads_json
-from async_april.weight_files import safetensors_header
+from async_april.weights.files import safetensors_header
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ PANELS = (
 def read_metrics(run_dir: Path) -> list[dict]:
     """The rows of `run_dir/metrics.jsonl`. A cut-short last line (a run killed while writing it) is
     skipped with a warning; anything else unreadable is a PlotError naming the line."""
-    from async_april.console import say
+    from async_april.run.console import say
 
     path = run_dir / "metrics.jsonl"
     if not run_dir.is_dir():

@@ -12,7 +12,7 @@ to `<dir>.old-<UTC time>`, then start fresh) says what to do. `run.overwrite`
 only ever moves a run directory: one holding anything no run writes (a home
 directory, a checkout) is refused, nothing moved.
 
-While a run uses the directory it holds `run.lock` in it (async_april/runlock.py):
+While a run uses the directory it holds `run.lock` in it (async_april/run/lock.py):
 a second run on the same directory, started at the same moment or later, exits 2
 naming the first; `train` takes the lock, then looks at the directory again
 (the other run may have finished a step meanwhile), then prepares it.
@@ -34,16 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_april.config import Config
-from async_april.console import plural, say
+from async_april.run.console import plural, say
 from async_april.errors import RunDirError
-from async_april.runlock import LOCK_FILE, RunLock
+from async_april.run.lock import LOCK_FILE, RunLock
 
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Set by Ray 2.x's job supervisor in the environment of every `ray job submit` driver."""
 RUN_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "wandb", "wandb_run_id",
                          "weights", "hf", "metrics.png", "placement.json", "placement.json.tmp", LOCK_FILE})
 """What a run writes into its directory (weights/: the disk weight transport; metrics.png: `async-april plot`;
-placement.json: where its actors ran, async_april/placement.py; run.lock: the lock of the run using it)."""
+placement.json: where its actors ran, async_april/hosts/placement.py; run.lock: the lock of the run using it)."""
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", LOCK_FILE)
 """One of these makes a directory a run directory (what run.overwrite may move aside)."""
 

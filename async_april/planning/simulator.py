@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from async_april.config import Config
-from async_april.store import RolloutStore
+from async_april.rollout.store import RolloutStore
 
 BLOCK_DIVISOR = 8
 """As actors/engine.py ADMISSION_BLOCK_DIVISOR: a busy engine leases once this share of its slots is free."""

@@ -21,7 +21,7 @@ import signal
 import threading
 from pathlib import Path
 
-from async_april.console import say
+from async_april.run.console import say
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -45,7 +45,7 @@ reverse, so the last raise is undone first. After every change the window
 starts empty. What the tuner remembers between steps is a `TunerState`,
 saved with the controller state.
 
-Admission stays exact through each change (async_april/store.py
+Admission stays exact through each change (async_april/rollout/store.py
 `set_max_staleness`, `set_over_provision`): a raise opens admission at once; a
 lowering closes it until the learner catches up, and every group admitted
 before keeps the eta it was admitted under, so none becomes too stale to train.

@@ -1,0 +1,1 @@
+"""The machines a run lands on: Ray placement, network interfaces, CPU pinning."""

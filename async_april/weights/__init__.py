@@ -1,0 +1,2 @@
+"""The weights' formats between learner and engines: buckets for a push, weight files on disk, LoRA
+merges."""
