@@ -15,7 +15,7 @@ import pytest
 
 from async_april.config import load_config
 from async_april.launch.memory_check import plan_inputs
-from async_april.planning.planner.memory import ModelDims, PlanInputs, plan, refusal
+from async_april.planning.memory import ModelDims, PlanInputs, plan, refusal
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p for p in (REPO / "configs" / "recipes").glob("*.yaml"))
@@ -65,7 +65,7 @@ def test_the_head_backward_holds_what_the_plan_counts(dtype, c):
     the plan's root gradient), the plan's `head grad` row (nothing in fp32; the fp32 accumulator and one
     VOCAB_SLICE product in bf16) and its `logits` row (8 bytes x chunk x V). Before issue 38 each chunk added a
     [V, H] product and its fp32 copy: 8.7 and 10.5 bytes x V x H measured, against the 5.0 and 7.5 counted."""
-    from async_april.planning.planner.memory import head_grad_bytes
+    from async_april.planning.memory import head_grad_bytes
 
     vocab, hidden, positions, chunk = 32768, 512, 256, 64
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "memory_probe.py"), "head", str(vocab), str(hidden),

@@ -10,7 +10,7 @@ import pytest
 from async_april.config import load_config
 from async_april.errors import UserError
 from async_april.launch.cli import main as cli_main
-from async_april.planning.planner.simulator import engine_ceiling, simulate
+from async_april.planning.simulator import engine_ceiling, simulate
 from async_april.planning.planner import (
     COLUMNS,
     TIE,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from async_april.config import Config
 from async_april.errors import UserError
-from async_april.planning.planner.memory import (
+from async_april.planning.memory import (
     LogitsPath,
     ModelDims,
     Plan,

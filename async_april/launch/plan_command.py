@@ -169,7 +169,7 @@ def row_config(cfg, s: Setting, engines: int):
 def plan(cfg, *, lengths, gpus: int, learner: LearnerModel, latency, prompt_tokens: int = 256, steps: int = 12,
          settings: list[Setting] | None = None, shared_host_slowdown: float = 1.0) -> list[Row]:
     """Simulate every setting (default: the grid for `gpus`) and return the table's rows."""
-    from async_april.planning.planner.simulator import engine_ceiling, simulate
+    from async_april.planning.simulator import engine_ceiling, simulate
 
     if steps <= WARMUP:
         raise UserError(f"--steps {steps}: needs more than the {WARMUP} warm-up steps")
