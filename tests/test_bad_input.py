@@ -159,7 +159,7 @@ CASES = [
     ("resume-crafted-class", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: crafted(d, **{'$dc': 'os:system'}))}"],
      r"other/checkpoints/step_00000003/store\.json: state names dataclass 'os:system', which is not in .*ALLOWED_DATACLASSES; async-april never writes that"),
     ("resume-crafted-field", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: (first_sample(d)['fields'].update(extend=1), d)[1])}"],
-     r"store\.json: state gives async_april\.trajectory:Sample fields it does not have: 'extend'"),
+     r"store\.json: state gives async_april\.rollout\.trajectory:Sample fields it does not have: 'extend'"),
     ("resume-malformed-tag", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: {**d, 'tree': {**d['tree'], 'version': {'$np': 'no-such-dtype', 'v': 1}}})}"],
      r"store\.json: not a state this code wrote \(TypeError"),
     ("resume-store-entry-unknown", lambda t: ["CFG", f"run.resume={tampered_checkpoint(t, lambda d: {**d, 'tree': {**d['tree'], 'dataset': []}})}"],

@@ -77,12 +77,12 @@ class RunParts:
         try:
             self.learner = learner_factory(cfg, model_path) if learner_factory is not None else \
                 LearnerGroup(cfg, model_path, node_check=None if checks is None else lambda nodes: checks.require(nodes, "the learner"))
-        except SharedStorageError as e:
+        except BaseException as e:  # what was built is stopped here, not left to the garbage collector
             if self.evaluator is not None:
                 self.evaluator.stop()
             self.pool.stop()
             ray.kill(self.store)
-            if carry.restarts == 0:
+            if not isinstance(e, SharedStorageError) or carry.restarts == 0:
                 raise
             # A rebuild placed onto a node that cannot see the run: stop, keeping every checkpoint.
             raise SharedStorageError(f"{e}; the run stopped, its checkpoints are kept: once that node has what it lacks "
