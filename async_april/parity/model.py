@@ -138,9 +138,11 @@ class _SiLU(nn.Module):
         return kernels.silu(x)
 
 
-def install(model: nn.Module, dtype: str | torch.dtype, lora_sync: str = "adapter") -> nn.Module:
+def install(model: nn.Module, dtype: str | torch.dtype, lora_sync: str = "adapter", keep_attention: bool = False) -> nn.Module:
     """Route every module of `model` through the parity kernels (module docstring); idempotent. Before FSDP2's
-    fully_shard and before the learner's LogprobHead is asked for logprobs (it checks `parity_dtype`)."""
+    fully_shard and before the learner's LogprobHead is asked for logprobs (it checks `parity_dtype`).
+    keep_attention: leave the attention function as it is (sequence parallelism's Ulysses wrapper, which calls
+    kernels.attention itself in parity mode: learners/sequence_parallel.py)."""
     dt = as_dtype(dtype)
     if getattr(model, "parity_dtype", None) is not None:
         return model
@@ -178,8 +180,9 @@ def install(model: nn.Module, dtype: str | torch.dtype, lora_sync: str = "adapte
             if "silu" not in act and "swish" not in act:
                 raise ValueError(f"model.parity supports SiLU MLPs, not {type(m.act_fn).__name__} in {name}")
             m.act_fn = _SiLU()
-    for cfg in {id(c): c for c in _configs(model)}.values():
-        cfg._attn_implementation = register()
+    if not keep_attention:
+        for cfg in {id(c): c for c in _configs(model)}.values():
+            cfg._attn_implementation = register()
     if hasattr(head, "request"):  # the learner's LogprobHead (learners/chunked_logprobs.py): head_logprobs
         head.parity_dtype = dt
     model.parity_dtype = dt
