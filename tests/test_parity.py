@@ -35,8 +35,8 @@ def model_path(tmp_path_factory) -> str:
                                        num_attention_heads=4, num_key_value_heads=2))
 
 
-def parity_cfg(parity: bool, dtype: str, packing: bool, lora: str | None):
-    learner = {"lr": 2e-2, "packing": packing, "max_tokens_per_microbatch": 96}
+def parity_cfg(parity: bool, dtype: str, packing: bool, lora: str | None, **extra):
+    learner = {"lr": 2e-2, "packing": packing, "max_tokens_per_microbatch": 96, **extra}
     if lora:
         learner["lora"] = {"enabled": True, "rank": 8, "alpha": 16.0, "sync": lora}
     return config_from_dict({
@@ -46,14 +46,15 @@ def parity_cfg(parity: bool, dtype: str, packing: bool, lora: str | None):
     })  # fmt: skip
 
 
-def sync_loop(cfg, model_path: str, steps: int = STEPS):
-    """(per step: behaviour logprobs, the learner's recomputed ones, train metrics) of the sync loop."""
+def sync_loop(cfg, model_path: str, steps: int = STEPS, worker=None):
+    """(per step: behaviour logprobs, the learner's recomputed ones, train metrics) of the sync loop.
+    `worker`: a context manager giving the learner rank (default: a world-size-1 worker here)."""
     from actors.engine import GenerateRequest, SamplingParams
     from actors.engines import make_engine
 
     rng = np.random.default_rng(11)
     out = []
-    with local_worker(cfg, model_path) as w:
+    with worker or local_worker(cfg, model_path) as w:
 
         async def run():
             eng = make_engine(cfg, model_path, device="cpu", eos_token_ids=(), num_threads=1)
@@ -135,3 +136,54 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch(dtype):
     assert torch.equal(right[0, :t], whole[0])
     packed = kernels.attention(*(torch.cat([a, a[:, :, :9]], 2) for a in (q, k, v)), None, 0.25, segments=[t, 9])
     assert torch.equal(packed[0, :t], whole[0]) and torch.equal(packed[0, t:], whole[0, :9])
+
+
+def _sp_child(rank: int, port: int, model_path: str, out_dir: str) -> None:
+    """One of 2 ranks (one sp group): each runs the same engine (same seeds: the same batches) and the
+    learner's collectives; rank 0 saves what it saw."""
+    import contextlib
+    import os
+
+    import torch.distributed as dist
+
+    from learners.worker import LearnerWorker
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = parity_cfg(True, "float32", False, None, world_size=2, sequence_parallel=2)
+
+    @contextlib.contextmanager
+    def worker():
+        w = LearnerWorker(cfg, model_path, rank, 2)
+        try:
+            yield w
+        finally:
+            w.shutdown()
+
+    steps = sync_loop(cfg, model_path, steps=2, worker=worker())
+    if rank == 0:
+        torch.save(steps, os.path.join(out_dir, "sp2.pt"))
+
+
+def test_parity_holds_with_sequence_parallel_2(model_path, tmp_path):
+    """learner.sequence_parallel=2: each rank computes half of every row's positions and, after Ulysses'
+    all-to-all, the attention of half of the heads over the whole row; the logprobs still equal the
+    engine's decode-step ones bit for bit."""
+    import torch.multiprocessing as mp
+
+    from tests.test_learner import free_port
+
+    mp.spawn(_sp_child, args=(free_port(), model_path, str(tmp_path)), nprocs=2, join=True)
+    steps = torch.load(tmp_path / "sp2.pt", weights_only=False)
+    assert len(steps) == 2
+    for behaviour, learner, m in steps:
+        assert torch.equal(behaviour, learner), (behaviour - learner).abs().max()
+        assert m["mismatch/k1_lag0"] == 0.0 and m["mismatch/k3_lag0"] == 0.0 and m["mismatch/k1"] == 0.0
+
+
+def test_parity_refuses_what_it_cannot_match():
+    with pytest.raises(ValueError, match="model.parity needs rollout.engine=torch"):
+        config_from_dict({"model": {"parity": True}, "rollout": {"engine": "simulated"}})
+    with pytest.raises(ValueError, match="set learner.compile=false"):
+        config_from_dict({"model": {"parity": True}, "learner": {"compile": True}})

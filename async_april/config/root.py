@@ -76,6 +76,14 @@ class Config(Section):
             # Only SGLang servers join a broadcast group (/init_weights_update_group); from CPU ranks it runs over gloo.
             raise ValueError(f"weight_sync.transport=nccl needs rollout.engine=sglang (the {r.engine} engine cannot join "
                              "the broadcast group); use object_store or disk")
+        if self.model.parity:
+            if r.engine == "simulated":
+                raise ValueError("model.parity needs rollout.engine=torch (or sglang): the simulated engine computes no "
+                                 "logprobs to match; set model.parity=false")
+            if self.learner.compile:
+                # Inductor fuses and reorders the kernels' reductions: the learner's values would leave the engine's.
+                raise ValueError("model.parity runs the learner's forward through its own batch-invariant kernels, which "
+                                 "torch.compile would fuse and reorder; set learner.compile=false (or model.parity=false)")
         return self
 
     @property
