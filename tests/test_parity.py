@@ -74,7 +74,14 @@ def sync_loop(cfg, model_path: str, steps: int = STEPS, worker=None):
                         lp = w._logprobs(w.model, mb, TEMPERATURE)
                     mask = mb.response_mask.bool()
                     out.append((mb.behavior_logprobs[mask], lp.float()[mask], w.train_step(batch)))
-                    await eng.update_weights(iter(list(w.iter_weight_buckets(bucket_mb=0.05))), w.version)
+                    buckets = list(w.iter_weight_buckets(bucket_mb=0.05))  # a collective: every rank calls it
+                    if w.world_size > 1:  # only rank 0 gets the buckets; every rank's engine takes them
+                        import torch.distributed as dist
+
+                        shared = [buckets]
+                        dist.broadcast_object_list(shared, src=0)
+                        buckets = shared[0]
+                    await eng.update_weights(iter(buckets), w.version)
             finally:
                 await eng.shutdown()
 
