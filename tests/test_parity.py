@@ -192,5 +192,7 @@ def test_parity_holds_with_sequence_parallel_2(model_path, tmp_path):
 def test_parity_refuses_what_it_cannot_match():
     with pytest.raises(ValueError, match="model.parity needs rollout.engine=torch"):
         config_from_dict({"model": {"parity": True}, "rollout": {"engine": "simulated"}})
+    with pytest.raises(ValueError, match="model.parity needs rollout.engine=torch: the sglang engine"):
+        config_from_dict({"model": {"parity": True}, "rollout": {"engine": "sglang"}})  # not silently ignored
     with pytest.raises(ValueError, match="set learner.compile=false"):
         config_from_dict({"model": {"parity": True}, "learner": {"compile": True}})

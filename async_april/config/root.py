@@ -77,9 +77,10 @@ class Config(Section):
             raise ValueError(f"weight_sync.transport=nccl needs rollout.engine=sglang (the {r.engine} engine cannot join "
                              "the broadcast group); use object_store or disk")
         if self.model.parity:
-            if r.engine == "simulated":
-                raise ValueError("model.parity needs rollout.engine=torch (or sglang): the simulated engine computes no "
-                                 "logprobs to match; set model.parity=false")
+            if r.engine != "torch":
+                # SGLang's deterministic-inference launch is not wired yet (issue 40, item 2): refuse rather than ignore.
+                raise ValueError(f"model.parity needs rollout.engine=torch: the {r.engine} engine does not compute its "
+                                 "logprobs with the learner's kernels; set rollout.engine=torch or model.parity=false")
             if self.learner.compile:
                 # Inductor fuses and reorders the kernels' reductions: the learner's values would leave the engine's.
                 raise ValueError("model.parity runs the learner's forward through its own batch-invariant kernels, which "
