@@ -166,11 +166,19 @@ class LogprobHead(nn.Module):
         self.weight = linear.weight  # the same Parameter: tied embeddings and state-dict names unchanged
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.request: LogprobRequest | None = None
+        self.parity_dtype: torch.dtype | None = None
+        """Set by parity mode (async_april/parity/model.py): logprobs from its kernels, the engine's numbers."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         req = self.request
         if req is None:
             return nn.functional.linear(hidden, self.weight)
+        if self.parity_dtype is not None:
+            from async_april.parity.model import head_logprobs
+
+            req.logprobs, req.entropy = head_logprobs(hidden, self.weight, req.targets, req.temperature,
+                                                      self.parity_dtype, req.with_entropy)
+            return req.logprobs
         out = chunked_logprobs(hidden, self.weight, req.targets, req.temperature, req.with_entropy)
         req.logprobs, req.entropy = out if req.with_entropy else (out, None)
         return req.logprobs

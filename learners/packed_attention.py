@@ -45,6 +45,8 @@ from async_april.errors import UserError
 
 ATTN_NAME = "sdpa_packed"
 """The attention implementation the learner uses for `sdpa` when `learner.packing` is on."""
+PARITY_ATTN_NAME = "parity"
+"""Parity mode's attention (async_april/parity/model.py), which takes the same row lengths."""
 LENGTHS_KWARG = "packed_seq_lens"
 """The forward kwarg carrying a packed row's sequence lengths (a tuple of ints) to every attention call."""
 
@@ -78,7 +80,7 @@ def check_model(config) -> None:
 
 def forward_kwargs(model: nn.Module, seq_lens: tuple[int, ...] | None) -> dict[str, Any]:
     """Extra kwargs of a packed forward: the row lengths for sdpa_packed, nothing for other attentions."""
-    if seq_lens is None or getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+    if seq_lens is None or getattr(model.config, "_attn_implementation", None) not in (ATTN_NAME, PARITY_ATTN_NAME):
         return {}
     return {LENGTHS_KWARG: tuple(seq_lens)}
 

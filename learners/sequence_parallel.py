@@ -62,6 +62,13 @@ class SequenceParallel:
 
 _ACTIVE: SequenceParallel | None = None
 """The process's sp group, read by the registered attention function (one learner per process)."""
+_PARITY = False
+"""model.parity: the gathered heads' attention by the batch-invariant kernel (async_april/parity/kernels.py)."""
+
+
+def set_parity(on: bool) -> None:
+    global _PARITY
+    _PARITY = on
 
 
 def check_sequence_parallel(sp: int, world_size: int, num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
@@ -171,6 +178,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     kwargs.pop("is_causal", None)
     # The local mask transformers might pass covers L/S positions; the full-sequence mask of a right-padded
     # micro-batch is plain causal (module docstring).
+    if _PARITY:  # the same kernel as the engine's, over the full sequence of this rank's heads (right padding: causal)
+        from async_april.parity.kernels import attention
+
+        out = attention(q, k, v, None, scaling if scaling is not None else q.shape[-1] ** -0.5)
+        return all_to_all(out, group, scatter_dim=1, gather_dim=2), None
     out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)
     return all_to_all(out, group, scatter_dim=1, gather_dim=2), None
 

@@ -112,7 +112,7 @@ class LearnerWorker(WeightExport):
 
         random.seed(seed)
         attn = resolve_attn_implementation(cfg.model.attn_implementation)
-        if attn == "sdpa" and lc.packing and lc.sequence_parallel == 1:
+        if attn == "sdpa" and lc.packing and lc.sequence_parallel == 1 and not cfg.model.parity:
             attn = packed_attention.register()  # packed rows without a [T, T] mask (learners/packed_attention.py)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
         if attn == packed_attention.ATTN_NAME:
@@ -133,6 +133,12 @@ class LearnerWorker(WeightExport):
         self.lora = lora.LoraExport(lora.apply_lora(model, lc.lora), lc.lora, lora.sync_mode(cfg)) if lc.lora.enabled else None
         if self.lora is not None and gpu:
             lora.freeze_base_dtype(model, torch.bfloat16)  # frozen: no fp32 master copy needed
+        if cfg.model.parity:  # the engine's kernels and dtype in every forward (async_april/parity/); after LoRA, before FSDP2
+            from async_april.parity.model import install
+
+            install(model, cfg.model.dtype, lora_sync=lora.sync_mode(cfg) if self.lora else "adapter",
+                    keep_attention=self.sp is not None)
+            seqpar.set_parity(self.sp is not None)
         self.model = parallelize(
             model, self.mesh, mixed_precision=gpu, activation_checkpointing=lc.activation_checkpointing, compile=lc.compile,
             offload_optimizer=lc.offload_optimizer,

@@ -3,11 +3,12 @@
 The file is W&B's record log (a 7-byte header, then 32 KiB blocks of records, each a
 7-byte header -- crc32, length, type full/first/middle/last -- and its bytes) whose
 records are `wandb_internal_pb2.Record` protobufs. Only what the tests need is decoded:
-the run record (id, rewind point `branch_point`) and the step of every history row.
+the run record (id, rewind point `branch_point`), the step of every history row and its values.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ class OfflineRun:
     branch_run: str = ""
     branch_step: float | None = None
     steps: list[int] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    """Each history row's values, key -> the value W&B recorded, JSON-decoded; a nested value is
+    flattened by W&B into one item per field (a histogram: `<key>/_type`, `<key>/values`, `<key>/bins`)."""
     exited: bool = False
     """The run's `exit` record (its last) is in the file."""
 
@@ -78,6 +82,7 @@ def _read_once(run_dir: Path) -> OfflineRun:
                 out.branch_run, out.branch_step = rec.run.branch_point.run, rec.run.branch_point.value
         elif kind == "history":
             out.steps.append(int(rec.history.step.num))
+            out.rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item})
         elif kind == "exit":
             out.exited = True
     return out

@@ -54,6 +54,7 @@ def make_engine(
             max_batch_tokens=r.max_batch_tokens,
             eos_token_ids=eos_token_ids,
             version=version,
+            parity=cfg.model.parity,
             **overrides,
         )
     if kind == "sglang":

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, WeightBucket, settle_future
+from async_april.parity.kernels import log_softmax
 from actors.engines.torch_batch import left_padded, merge_kv, select_kv, stage_weight_update, top_k_top_p
 
 ADMIT_EVERY_STEPS = 4
@@ -88,6 +89,7 @@ class TorchEngine:
         eos_token_ids: Iterable[int] | None = None,
         num_threads: int | None = 1,
         version: int = 0,
+        parity: bool = False,
     ) -> None:
         if model_path is None and model is None:
             raise ValueError("TorchEngine needs model_path (a Hugging Face model directory) or model")
@@ -100,6 +102,8 @@ class TorchEngine:
         self.model = model
         self._eos = None if eos_token_ids is None else tuple(int(t) for t in eos_token_ids)
         self._version = version
+        self.parity = parity
+        """model.parity: the batch-invariant kernels of async_april/parity/, the learner's numbers bit for bit."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._seq = itertools.count()
@@ -122,6 +126,10 @@ class TorchEngine:
             torch.set_num_threads(self.num_threads)
         if self.model is None:
             self.model = await asyncio.to_thread(self._load)
+        if self.parity:  # before the cast below, which would round the rotary frequencies (async_april/parity/model.py)
+            from async_april.parity.model import install
+
+            install(self.model, self.dtype)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         if self._eos is None:
             eos = getattr(self.model.generation_config, "eos_token_id", None) or self.model.config.eos_token_id
@@ -378,7 +386,7 @@ class TorchEngine:
         temps = torch.tensor([r.req.sampling.temperature for r in rows], device=logits.device)
         greedy = temps <= 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        logp = torch.log_softmax(scaled, -1)
+        logp = log_softmax(scaled) if self.parity else torch.log_softmax(scaled, -1)
         tokens = []
         for i, r in enumerate(rows):
             sp = r.req.sampling

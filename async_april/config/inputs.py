@@ -18,6 +18,8 @@ class ModelConfig(Section):
     """Parameter dtype for engines and learner. bfloat16 is for GPUs."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to transformers. flash_attention_2 needs FlashAttention 2 (`pip install flash-attn --no-build-isolation` after the `gpu` extra: README), not the flash-attn-4 that sglang installs."""
+    parity: bool = False
+    """Parity mode: the torch engine and the learner compute every token's logprob with the same batch-invariant kernels (async_april/parity/), so at lag 0 the behaviour logprob equals the learner's bit for bit (mismatch/k1_lag0 = k3_lag0 = 0, every ratio 1) and what mismatch is left is staleness. Costs speed (docs/benchmarks.md, "Parity mode"); exact on CPU. Needs rollout.engine=torch."""
     cache_dir: str = "~/.cache/async_april"
     """Where built-in models are built and cached."""
 

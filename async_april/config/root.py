@@ -76,6 +76,15 @@ class Config(Section):
             # Only SGLang servers join a broadcast group (/init_weights_update_group); from CPU ranks it runs over gloo.
             raise ValueError(f"weight_sync.transport=nccl needs rollout.engine=sglang (the {r.engine} engine cannot join "
                              "the broadcast group); use object_store or disk")
+        if self.model.parity:
+            if r.engine != "torch":
+                # SGLang's deterministic-inference launch is not wired yet (issue 40, item 2): refuse rather than ignore.
+                raise ValueError(f"model.parity needs rollout.engine=torch: the {r.engine} engine does not compute its "
+                                 "logprobs with the learner's kernels; set rollout.engine=torch or model.parity=false")
+            if self.learner.compile:
+                # Inductor fuses and reorders the kernels' reductions: the learner's values would leave the engine's.
+                raise ValueError("model.parity runs the learner's forward through its own batch-invariant kernels, which "
+                                 "torch.compile would fuse and reorder; set learner.compile=false (or model.parity=false)")
         return self
 
     @property

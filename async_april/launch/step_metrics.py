@@ -13,7 +13,7 @@ def make_batch(groups, cfg: Config, version: int):
     import torch
 
     from async_april.algorithms.advantages import compute_advantages
-    from async_april.algorithms.metrics import staleness_metrics
+    from async_april.algorithms.metrics import staleness_metrics, trajectory_staleness
     from async_april.rollout.batch import build_train_batch
 
     rewards = np.stack([g.rewards for g in groups])
@@ -42,6 +42,7 @@ def make_batch(groups, cfg: Config, version: int):
         **lag,
         "staleness/max": int(lag["staleness/token_lag_max"]),
         "staleness/mean": lag["staleness/token_lag_mean"],
+        **trajectory_staleness(batch.model_versions(), version),  # versions spanned, oldest lag, lag histograms
     }
 
 

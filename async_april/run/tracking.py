@@ -2,7 +2,8 @@
 
 One step axis (`train/step`) for everything. Keys are namespaced (`train/`,
 `rollout/`, `reward/`, `staleness/`, `is/`, `loss/`, `perf/`, `timing_s/`,
-`data/`, `time/`). On a resume from the checkpoint of step k, rows past k (the
+`data/`, `time/`). A key ending `_hist` holds counts per integer lag (a list in
+metrics.jsonl) and goes to W&B as a histogram. On a resume from the checkpoint of step k, rows past k (the
 steps a crash lost) are dropped from metrics.jsonl before anything is appended,
 so the file holds one row per step; `time/elapsed_s` continues from the
 checkpoint; and the W&B run of this run directory is rewound to step k
@@ -147,6 +148,21 @@ def truncate_metrics(path: Path, step: int, checkpoint_row: dict | None = None) 
     return done
 
 
+def wandb_row(row: dict[str, Any]) -> dict[str, Any]:
+    """What W&B gets of a row: the numbers, and each `*_hist` list of counts per integer lag
+    (async_april/algorithms/metrics.py) as a histogram with one bin per lag, centred on it."""
+    import numpy as np
+    import wandb
+
+    from async_april.algorithms.metrics import HISTOGRAM_SUFFIX
+
+    out: dict[str, Any] = {k: v for k, v in row.items() if isinstance(v, (int, float))}
+    for k, v in row.items():
+        if k.endswith(HISTOGRAM_SUFFIX) and isinstance(v, list) and v:
+            out[k] = wandb.Histogram(np_histogram=(np.asarray(v, np.float64), np.arange(len(v) + 1) - 0.5))
+    return out
+
+
 class Tracker:
     """`log(metrics)` once per step; `resume_step` (resuming from that checkpoint step, 0 when a resume
     found none) truncates metrics.jsonl past it and continues `time/elapsed_s` from `elapsed_s`."""
@@ -213,7 +229,7 @@ class Tracker:
         os.fsync(self._file.fileno())  # on disk before the checkpoint of this step can be
         self.last_row = row
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=int(row.get("train/step", 0)))
+            self._wandb.log(wandb_row(row), step=int(row.get("train/step", 0)))
         self.console.step(row)
         return row
 
