@@ -188,3 +188,12 @@ def control_body_error(path: str, body: dict[str, Any]) -> str | None:
         if key in body and body[key] is not None and not isinstance(body[key], str):
             return f"1 validation error: {key}: Input should be a valid string, got {body[key]!r}"
     return None
+
+
+RL_ON_POLICY_TARGET_CHOICES = ["fsdp"]
+"""`--rl-on-policy-target` values of sglang 0.5.23 (srt/arg_groups/choices.py): `fsdp` swaps in the
+trainer-matching RMSNorm, rotary, activation and log-softmax paths (srt/layers/layernorm.py, sampler.py)."""
+
+DETERMINISTIC_ATTENTION_BACKEND_CHOICES = ["ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton"]
+"""The attention backends 0.5.23 accepts with deterministic inference (srt/arg_groups/choices.py); any other
+explicit `--attention-backend` raises ValueError at start (srt/arg_groups/overrides.py)."""

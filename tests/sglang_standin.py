@@ -62,6 +62,11 @@ cites the SGLang file it follows (paths under sglang/):
   it; a group it does not hold is 400 (model_runner_components/weight_updater.py; the rules and the
   store layout are tests/sglang_standin_group.py);
 - sampling_seed is honoured only with --enable-deterministic-inference (srt/server_args.py);
+  --rl-on-policy-target takes only `fsdp` (srt/arg_groups/choices.py RL_ON_POLICY_TARGET_CHOICES) and turns
+  deterministic inference on (srt/arg_groups/attention_hook.py handle_deterministic_inference); with it on,
+  an --attention-backend outside DETERMINISTIC_ATTENTION_BACKEND_CHOICES stops the server at start with
+  the real one's ValueError (srt/arg_groups/overrides.py _deterministic_attention_backend); /server_info
+  reports both;
 - it is launched the way the client launches SGLang: `python -m tests.sglang_standin --model-path
   DIR --host 127.0.0.1 --port P --tp-size N ...`, and an occupied port makes it exit.
 
@@ -89,7 +94,8 @@ from actors.engine import GenerateRequest, SamplingParams
 from async_april.weights.lora import is_adapter_name
 from tests.sglang_api_types import GenerateRequest as ContractRequest
 from tests.sglang_api_types import JsonContractError
-from tests.sglang_rules import check_lengths, control_body_error, reported_spans, safe_loads, verify_sampling_params
+from tests.sglang_rules import (DETERMINISTIC_ATTENTION_BACKEND_CHOICES, RL_ON_POLICY_TARGET_CHOICES, check_lengths,
+                                control_body_error, reported_spans, safe_loads, verify_sampling_params)
 from tests.sglang_standin_engine import StandinEngine
 from tests.sglang_standin_group import TORCH_DEFAULT_PG_TIMEOUT_S, StandinGroups
 
@@ -169,6 +175,7 @@ def build_app(state: StandinState, sessions: bool = True) -> web.Application:
         # utils/common.py build_server_info: the resolved server args plus the scheduler's limits
         return web.json_response({"model_path": state.model_path, "host": "127.0.0.1", "port": state.port,
                                   "tp_size": state.tp_size, "enable_deterministic_inference": state.deterministic,
+                                  "rl_on_policy_target": state.rl_on_policy_target, "attention_backend": state.attention_backend,
                                   "skip_tokenizer_init": True, "disable_overlap_schedule": not state.overlap,
                                   "disable_radix_cache": not engine.radix_cache, "context_length": state.context_len,
                                   "max_req_input_len": state.context_len - 6, "version": "0.5.23-standin"})
@@ -394,6 +401,9 @@ class StandinServer:
         self.model_path, self.port, self.sessions = str(model_path), port, sessions
         self.tp_size, self.deterministic, self.warmup_s = tp_size, deterministic, warmup_s
         self.overlap = not disable_overlap_schedule
+        self.rl_on_policy_target: str | None = None
+        self.attention_backend: str | None = None
+        """As launched (`server_from_args`); /server_info reports them."""
         self.engine = StandinEngine(self.model_path, version=weight_version, radix_cache=not disable_radix_cache,
                                     **engine_kwargs)
         if context_length is None:
@@ -438,6 +448,7 @@ class StandinServer:
     async def serve(self) -> None:
         self._state = StandinState(self.engine, self.model_path, self.port, self.tp_size, self.deterministic,
                                    self.overlap, self.context_length, self.group_timeout_s)
+        self._state.rl_on_policy_target, self._state.attention_backend = self.rl_on_policy_target, self.attention_backend
         self._runner = web.AppRunner(build_app(self._state, self.sessions))
         await self._runner.setup()
         # SO_REUSEADDR, as uvicorn (SGLang's HTTP server) sets it: a server restarted on its port must
@@ -474,6 +485,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--skip-tokenizer-init", action="store_true")
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--enable-deterministic-inference", action="store_true")
+    ap.add_argument("--rl-on-policy-target", choices=RL_ON_POLICY_TARGET_CHOICES)
+    ap.add_argument("--attention-backend")
     ap.add_argument("--disable-overlap-schedule", action="store_true")  # arg_groups/fields/schedule.py
     ap.add_argument("--disable-radix-cache", action="store_true")  # arg_groups/fields/memory.py
     ap.add_argument("--context-length", type=int)
@@ -483,9 +496,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def server_from_args(a: argparse.Namespace, **engine_kwargs) -> StandinServer:
     version = int(a.weight_version) if a.weight_version.isdigit() else 0
-    return StandinServer(a.model_path, a.port, tp_size=a.tp_size, deterministic=a.enable_deterministic_inference,
+    deterministic = a.enable_deterministic_inference or a.rl_on_policy_target is not None
+    if deterministic and a.attention_backend is not None and a.attention_backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"Currently only {DETERMINISTIC_ATTENTION_BACKEND_CHOICES} attention backends are supported for "
+                         f"deterministic inference, but you explicitly specified '{a.attention_backend}'.")
+    srv = StandinServer(a.model_path, a.port, tp_size=a.tp_size, deterministic=deterministic,
                          warmup_s=a.warmup_s, weight_version=version, disable_overlap_schedule=a.disable_overlap_schedule,
                          disable_radix_cache=a.disable_radix_cache, context_length=a.context_length, **engine_kwargs)
+    srv.rl_on_policy_target, srv.attention_backend = a.rl_on_policy_target, a.attention_backend
+    return srv
 
 
 def server_from_command(cmd: list[str], **engine_kwargs) -> StandinServer:

@@ -190,9 +190,53 @@ def test_parity_holds_with_sequence_parallel_2(model_path, tmp_path):
 
 
 def test_parity_refuses_what_it_cannot_match():
-    with pytest.raises(ValueError, match="model.parity needs rollout.engine=torch"):
+    with pytest.raises(ValueError, match=r"model.parity needs rollout.engine=torch \(or sglang\): the simulated engine"):
         config_from_dict({"model": {"parity": True}, "rollout": {"engine": "simulated"}})
-    with pytest.raises(ValueError, match="model.parity needs rollout.engine=torch: the sglang engine"):
-        config_from_dict({"model": {"parity": True}, "rollout": {"engine": "sglang"}})  # not silently ignored
+    with pytest.raises(ValueError, match="set rollout.sglang.deterministic=true"):
+        config_from_dict({"model": {"parity": True}, "rollout": {"engine": "sglang", "sglang": {"deterministic": False}}})
     with pytest.raises(ValueError, match="set learner.compile=false"):
         config_from_dict({"model": {"parity": True}, "learner": {"compile": True}})
+    with pytest.raises(ValueError, match="--rl-on-policy-target, which async-april sets itself"):
+        config_from_dict({"rollout": {"engine": "sglang", "sglang": {"extra_args": ["--rl-on-policy-target", "fsdp"]}}})
+    # The server would refuse it at start (sglang 0.5.23 srt/arg_groups/overrides.py): refused before any launch.
+    with pytest.raises(ValueError, match="--attention-backend torch_native, which SGLang refuses with deterministic inference"):
+        config_from_dict({"rollout": {"engine": "sglang", "sglang": {"extra_args": ["--attention-backend=torch_native"]}}})
+    config_from_dict({"rollout": {"engine": "sglang", "sglang": {"extra_args": ["--attention-backend", "fa3"]}}})
+    config_from_dict({"rollout": {"engine": "sglang", "sglang": {"deterministic": False, "extra_args": ["--attention-backend", "torch_native"]}}})
+
+
+def test_parity_on_sglang_launches_its_on_policy_kernels_as_the_real_server_takes_them(model_path):
+    """Item 2: SGLang cannot be bit-equal to this learner (its kernels are its own: docs/engines.md), so
+    parity there means SGLang's deterministic inference plus its trainer-matching kernels
+    (`--rl-on-policy-target fsdp`), and the lag-0 mismatch figures measuring numerics alone. The launch
+    command carries both flags; the STAND-IN server (tests/sglang_standin.py) parses them with 0.5.23's
+    rules: `fsdp` is the only target (argparse exits 2 otherwise), the target turns deterministic inference
+    on, an attention backend outside the deterministic ones stops it at start with the real ValueError;
+    an attached server without the target is refused by the client with one line."""
+    from actors.engines import make_engine
+    from actors.engines.sglang_server import check_server_info
+    from actors.engines.sglang_wire import SGLangError
+    from tests.sglang_standin import parse_args, server_from_command
+
+    cfg = config_from_dict({"model": {"parity": True}, "rollout": {"engine": "sglang"}})
+    cmd = make_engine(cfg, model_path, device="cpu", eos_token_ids=()).launch_command(30001)
+    assert cmd[cmd.index("--rl-on-policy-target") + 1] == "fsdp" and "--enable-deterministic-inference" in cmd
+    plain = make_engine(config_from_dict({"rollout": {"engine": "sglang"}}), model_path, device="cpu",
+                        eos_token_ids=()).launch_command(30001)
+    assert "--rl-on-policy-target" not in plain
+
+    without_flag = [a for a in cmd if a != "--enable-deterministic-inference"]
+    srv = server_from_command(without_flag)  # the target alone turns deterministic inference on
+    assert srv.deterministic and srv.rl_on_policy_target == "fsdp"
+    with pytest.raises(ValueError, match=r"only \['ascend', 'fa3', 'fa4', 'flashinfer', 'intel_xpu', 'triton'\] attention "
+                                         r"backends are supported for deterministic inference, but you explicitly specified 'torch_native'"):
+        server_from_command(cmd + ["--attention-backend", "torch_native"])
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", model_path, "--rl-on-policy-target", "megatron"])
+
+    info = {"port": 30001, "tp_size": 1, "enable_deterministic_inference": True, "rl_on_policy_target": None}
+    with pytest.raises(SGLangError, match="model.parity needs 'fsdp'.*restart it with --rl-on-policy-target fsdp"):
+        check_server_info(info, "http://h:1", port=None, tp_size=1, deterministic=True, rl_on_policy_target="fsdp")
+    check_server_info({**info, "rl_on_policy_target": "fsdp"}, "http://h:1", port=None, tp_size=1, deterministic=True,
+                      rl_on_policy_target="fsdp")
+    check_server_info(info, "http://h:1", port=None, tp_size=1, deterministic=True)  # without parity: no demand

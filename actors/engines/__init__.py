@@ -63,6 +63,7 @@ def make_engine(
         s = r.sglang
         kw = {"tp_size": s.tp_size, "mem_fraction_static": s.mem_fraction_static, "extra_args": s.extra_args,
               "port_range": s.port_range, "deterministic": s.deterministic, "launch_module": s.launch_module,
+              "rl_on_policy_target": "fsdp" if cfg.model.parity else None,
               "startup_timeout_s": s.startup_timeout_s, "request_timeout_s": s.request_timeout_s, "retries": s.retries,
               "temperature": r.temperature, "weight_update_mode": SGLANG_UPDATE_MODE[cfg.weight_sync.transport],
               "in_flight_updates": r.on_weight_update == "continue", **overrides}

@@ -62,6 +62,7 @@ class SGLangEngine(SGLangHTTP):
         extra_args: Iterable[str] = (),
         port_range: tuple[int, int] = (30000, 30999),
         deterministic: bool = True,
+        rl_on_policy_target: str | None = None,
         launch_module: str = "sglang.launch_server",
         startup_timeout_s: float = 900.0,
         request_timeout_s: float = 3600.0,
@@ -81,6 +82,8 @@ class SGLangEngine(SGLangHTTP):
         self.tp_size, self.mem_fraction_static = tp_size, mem_fraction_static
         self.extra_args, self.port_range = list(extra_args), tuple(port_range)
         self.deterministic, self.launch_module = deterministic, launch_module
+        self.rl_on_policy_target = rl_on_policy_target
+        """model.parity: "fsdp", SGLang's own kernels switched to the trainer-matching ones (sglang_server.py)."""
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
         self.retries, self.backoff_s = retries, backoff_s
         self.weight_update_mode, self.temperature = weight_update_mode, temperature
@@ -150,6 +153,8 @@ class SGLangEngine(SGLangHTTP):
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.deterministic:  # without it SGLang ignores sampling_seed
             cmd += ["--enable-deterministic-inference"]
+        if self.rl_on_policy_target is not None:
+            cmd += ["--rl-on-policy-target", self.rl_on_policy_target]
         if self.in_flight_updates:  # see IN_FLIGHT_FLAGS: what continue costs is in docs/async.md
             cmd += list(IN_FLIGHT_FLAGS)
         return cmd + self.extra_args
@@ -187,7 +192,7 @@ class SGLangEngine(SGLangHTTP):
         info = self._server_info = await self._get_json("/server_info", "/get_server_info")
         if info is not None:
             check_server_info(info, self.url, port=self.port if self._proc is not None else None, tp_size=self.tp_size,
-                              deterministic=self.deterministic)
+                              deterministic=self.deterministic, rl_on_policy_target=self.rl_on_policy_target)
         self._limits = ContextLimits.from_server_info(info)
         if self.in_flight_updates and (why := in_flight_problem(info, self.url)):
             raise SGLangError(why)

@@ -53,9 +53,10 @@ def in_flight_problem(info: dict[str, Any] | None, url: str) -> str | None:
             f"{' '.join(IN_FLIGHT_FLAGS)}, or use rollout.on_weight_update=interrupt or drain")
 
 
-def check_server_info(info: dict[str, Any], url: str, *, port: int | None, tp_size: int, deterministic: bool) -> None:
-    """The answering server is the one we mean: `port` (ours, when we launched it), our tp size, and
-    seed handling when we send seeds."""
+def check_server_info(info: dict[str, Any], url: str, *, port: int | None, tp_size: int, deterministic: bool,
+                      rl_on_policy_target: str | None = None) -> None:
+    """The answering server is the one we mean: `port` (ours, when we launched it), our tp size, seed
+    handling when we send seeds, and (model.parity) SGLang's on-policy kernels."""
     if port is not None and info.get("port") not in (None, port):
         raise SGLangError(f"{url}/server_info reports port {info.get('port')}, not {port}: not our server")
     tp = info.get("tp_size")
@@ -65,6 +66,10 @@ def check_server_info(info: dict[str, Any], url: str, *, port: int | None, tp_si
     if deterministic and info.get("enable_deterministic_inference") is False:
         raise SGLangError(f"the server at {url} runs without --enable-deterministic-inference, so it would "
                           "ignore sampling_seed; restart it with that flag or set rollout.sglang.deterministic=false")
+    if rl_on_policy_target is not None and info.get("rl_on_policy_target", rl_on_policy_target) != rl_on_policy_target:
+        raise SGLangError(f"the server at {url} runs with rl_on_policy_target={info.get('rl_on_policy_target')}, but "
+                          f"model.parity needs {rl_on_policy_target!r} (its trainer-matching RMSNorm, rotary, activation "
+                          f"and log-softmax); restart it with --rl-on-policy-target {rl_on_policy_target} or set model.parity=false")
 
 
 @dataclass(frozen=True)

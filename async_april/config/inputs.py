@@ -19,7 +19,7 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to transformers. flash_attention_2 needs FlashAttention 2 (`pip install flash-attn --no-build-isolation` after the `gpu` extra: README), not the flash-attn-4 that sglang installs."""
     parity: bool = False
-    """Parity mode: the torch engine and the learner compute every token's logprob with the same batch-invariant kernels (async_april/parity/), so at lag 0 the behaviour logprob equals the learner's bit for bit (mismatch/k1_lag0 = k3_lag0 = 0, every ratio 1) and what mismatch is left is staleness. Costs speed (docs/benchmarks.md, "Parity mode"); exact on CPU. Needs rollout.engine=torch."""
+    """Parity mode: the torch engine and the learner compute every token's logprob with the same batch-invariant kernels (async_april/parity/), so at lag 0 the behaviour logprob equals the learner's bit for bit (mismatch/k1_lag0 = k3_lag0 = 0, every ratio 1) and what mismatch is left is staleness. Costs speed (docs/benchmarks.md, "Parity mode"); exact on CPU with rollout.engine=torch. With rollout.engine=sglang it launches the servers with --rl-on-policy-target fsdp (SGLang's deterministic inference and trainer-matching kernels): repeatable and batch-independent on both sides, but not bit-equal, since SGLang's kernels are its own; mismatch/k3_lag0 is then the numerics floor (docs/engines.md, "Parity mode on SGLang")."""
     cache_dir: str = "~/.cache/async_april"
     """Where built-in models are built and cached."""
 

@@ -9,6 +9,22 @@ from pydantic import Field, field_validator, model_validator
 from async_april.config.base import Section
 
 
+DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
+"""The attention backends SGLang 0.5.23 runs deterministic inference with (srt/arg_groups/choices.py
+DETERMINISTIC_ATTENTION_BACKEND_CHOICES); unset, it picks fa3 (Hopper and older) or flashinfer (Blackwell)."""
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value given to `flag` in a command line (`--flag v` or `--flag=v`), the last one winning."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 class SGLangConfig(Section):
     """How each generation actor runs (or reaches) its SGLang server; see docs/engines.md."""
 
@@ -19,7 +35,7 @@ class SGLangConfig(Section):
     mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     """GPU memory fraction SGLang reserves for weights and KV cache (`--mem-fraction-static`); ~0.4 when the learner shares the GPU. None: SGLang's default."""
     extra_args: list[str] = Field(default_factory=list)
-    """Further `sglang.launch_server` flags, e.g. ["--attention-backend", "fa3"]. Flags this section sets itself are refused here."""
+    """Further `sglang.launch_server` flags, e.g. ["--attention-backend", "fa3"]. Flags this section sets itself are refused here, and with `deterministic` an --attention-backend SGLang refuses for deterministic inference (anything but ascend, fa3, fa4, flashinfer, intel_xpu, triton)."""
     port_range: tuple[int, int] = (30000, 30999)
     """Ports a launched server may take: each actor takes a free one of its own (held by a lock file, so actors on one node never share one)."""
     deterministic: bool = True
@@ -39,11 +55,18 @@ class SGLangConfig(Section):
         if not 1024 <= lo <= hi <= 65535:
             raise ValueError(f"rollout.sglang.port_range {list(self.port_range)} must be [low, high] with 1024 <= low <= high <= 65535")
         owned = {"--model-path", "--host", "--port", "--tp-size", "--tp", "--mem-fraction-static", "--weight-version",
-                 "--enable-deterministic-inference", "--skip-tokenizer-init"}
+                 "--enable-deterministic-inference", "--skip-tokenizer-init", "--rl-on-policy-target"}
         for arg in self.extra_args:
             if arg.split("=", 1)[0] in owned:
                 raise ValueError(f"rollout.sglang.extra_args sets {arg.split('=', 1)[0]}, which async-april sets itself; "
-                                 "use the rollout.sglang key for it (tp_size, mem_fraction_static, deterministic, port_range) instead")
+                                 "use the rollout.sglang key for it (tp_size, mem_fraction_static, deterministic, port_range; "
+                                 "model.parity for --rl-on-policy-target) instead")
+        backend = _flag_value(self.extra_args, "--attention-backend")
+        if self.deterministic and backend is not None and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
+            # The server would refuse it at start (sglang 0.5.23 srt/arg_groups/overrides.py _deterministic_attention_backend).
+            raise ValueError(f"rollout.sglang.extra_args sets --attention-backend {backend}, which SGLang refuses with "
+                             f"deterministic inference (rollout.sglang.deterministic, model.parity); use one of "
+                             f"{', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}, or set rollout.sglang.deterministic=false")
         return self
 
 

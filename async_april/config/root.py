@@ -77,10 +77,14 @@ class Config(Section):
             raise ValueError(f"weight_sync.transport=nccl needs rollout.engine=sglang (the {r.engine} engine cannot join "
                              "the broadcast group); use object_store or disk")
         if self.model.parity:
-            if r.engine != "torch":
-                # SGLang's deterministic-inference launch is not wired yet (issue 40, item 2): refuse rather than ignore.
-                raise ValueError(f"model.parity needs rollout.engine=torch: the {r.engine} engine does not compute its "
-                                 "logprobs with the learner's kernels; set rollout.engine=torch or model.parity=false")
+            if r.engine == "simulated":
+                raise ValueError("model.parity needs rollout.engine=torch (or sglang): the simulated engine computes no "
+                                 "logprobs to match; set model.parity=false")
+            if r.engine == "sglang" and not r.sglang.deterministic:
+                # --rl-on-policy-target turns deterministic inference on anyway (sglang 0.5.23
+                # srt/arg_groups/attention_hook.py handle_deterministic_inference): say so rather than override.
+                raise ValueError("model.parity launches SGLang with --rl-on-policy-target fsdp, which turns its "
+                                 "deterministic inference on; set rollout.sglang.deterministic=true (or model.parity=false)")
             if self.learner.compile:
                 # Inductor fuses and reorders the kernels' reductions: the learner's values would leave the engine's.
                 raise ValueError("model.parity runs the learner's forward through its own batch-invariant kernels, which "
