@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from async_april.errors import UserError
+from async_april.parity.kernels import segment_lengths  # one definition: the parity kernels split packed rows the same way
 
 ATTN_NAME = "sdpa_packed"
 """The attention implementation the learner uses for `sdpa` when `learner.packing` is on."""
@@ -83,16 +84,6 @@ def forward_kwargs(model: nn.Module, seq_lens: tuple[int, ...] | None) -> dict[s
     if seq_lens is None or getattr(model.config, "_attn_implementation", None) not in (ATTN_NAME, PARITY_ATTN_NAME):
         return {}
     return {LENGTHS_KWARG: tuple(seq_lens)}
-
-
-def segment_lengths(position_ids: torch.Tensor) -> list[int]:
-    """Lengths of the sequences packed in one row, from where its position ids restart at 0."""
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == 0).reshape(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    bounds = [*starts, pos.numel()]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def packed_sdpa_attention(module: nn.Module, query, key, value, attention_mask, position_ids=None,

@@ -206,3 +206,13 @@ def entropy(z: torch.Tensor) -> torch.Tensor:
         lse = logsumexp(z)
         p = pointwise(torch.exp, z - lse[..., None])
         return lse - (p * z).sum(-1)
+
+
+def segment_lengths(position_ids: torch.Tensor) -> list[int]:
+    """Lengths of the sequences packed in one row, from where its position ids restart at 0."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).reshape(-1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    bounds = [*starts, pos.numel()]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]

@@ -45,14 +45,7 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def _segments(position_ids, packed_seq_lens):
     if packed_seq_lens is not None:
         return list(packed_seq_lens)
-    if position_ids is None:
-        return None
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == 0).reshape(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    bounds = [*starts, pos.numel()]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return None if position_ids is None else kernels.segment_lengths(position_ids)
 
 
 def parity_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
