@@ -33,12 +33,10 @@ from typing import Any, Callable
 from async_april.config import Config
 from async_april.hosts.cpu_pinning import CpuPlan
 from async_april.errors import UserError
-from actors.pool_report import engine_totals, no_room, pool_metrics, short as _short, startup_notes
+from actors.pool_pending import PendingActors
+from actors.pool_report import engine_totals, no_room, not_at_version, pool_metrics, short as _short, startup_notes
 
 log = logging.getLogger(__name__)
-
-PENDING_NOTE_S = 10.0
-"""A pending actor not placed after this long is reported as waiting for capacity."""
 
 
 class NoGenerationActorsError(RuntimeError):
@@ -67,8 +65,8 @@ class ActorPool:
         """Replacements started over the whole run (rollout/actor_restarts)."""
         self.failures = 0
         self._next = 0
-        self.pending: dict[str, tuple[Any, Any, float]] = {}
-        """Actors started but not yet running: id -> (handle, start() ref, when it was asked for)."""
+        self.pending = PendingActors(cfg)
+        """Actors started but not yet running (actors/pool_pending.py)."""
         self.started_elastic = 0
         self.events: list[dict[str, Any]] = []
         """Joins and losses (placement.json): {"t", "event", "actor"}."""
@@ -139,7 +137,7 @@ class ActorPool:
 
     def _start_pending(self, why: str) -> str:
         actor_id, handle = self._new_actor()
-        self.pending[actor_id] = (handle, handle.start.remote(), time.monotonic())
+        self.pending.add(actor_id, handle)
         self.events.append({"t": time.time(), "event": f"pending ({why})", "actor": actor_id})
         return actor_id
 
@@ -148,16 +146,7 @@ class ActorPool:
         import ray
 
         joined = 0
-        for actor_id, (handle, ref, since) in list(self.pending.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                if time.monotonic() - since > PENDING_NOTE_S and not getattr(self, "_noted", {}).get(actor_id):
-                    self.__dict__.setdefault("_noted", {})[actor_id] = True
-                    log.warning("generation actor %s is waiting for capacity (no node that placement.generation=%s "
-                                "allows has 1 CPU%s free); it joins once one has", actor_id, self.cfg.placement.generation,
-                                f" and {self.cfg.rollout.gpus_per_actor:g} GPU" if self.cfg.rollout.gpus_per_actor else "")
-                continue
-            del self.pending[actor_id]
+        for actor_id, handle, ref in self.pending.started():
             try:
                 ray.get(ref)
                 if not self._usable(actor_id, handle):
@@ -230,7 +219,7 @@ class ActorPool:
                 ray.get(r, timeout=60)
             except Exception as e:  # noqa: BLE001 - a dying actor must not block shutdown
                 log.warning("generation actor did not stop cleanly: %r", e)
-        for a in list(self.actors.values()) + [h for h, _, _ in self.pending.values()]:
+        for a in list(self.actors.values()) + self.pending.handles():
             ray.kill(a)
         self.actors.clear()
         self.pending.clear()
@@ -374,22 +363,9 @@ class ActorPool:
                 return push(self.handles)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 log.warning("weight push failed (%s); checking generation actors", _short(e))
-                if not self.check() and not self._retire(self._not_at(version)):
+                if not self.check() and not self._retire(not_at_version(self.actors, version)):
                     raise
         raise NoGenerationActorsError("weight push kept failing on dying generation actors")
-
-    def _not_at(self, version: int) -> list[str]:
-        import ray
-
-        refs = {i: a.version.remote() for i, a in self.actors.items()}
-        out = []
-        for i, r in refs.items():
-            try:
-                if ray.get(r, timeout=60) != version:
-                    out.append(i)
-            except Exception:  # noqa: BLE001 - unreachable counts as failed
-                out.append(i)
-        return out
 
     def _retire(self, actor_ids: list[str]) -> int:
         """Kill these actors and handle them as deaths (leases back, replacements)."""

@@ -1,5 +1,6 @@
 """What the generation actors' pool reports: its figures per step (engine counters summed over every
-actor the run has had; actors running, pending and restarted) and the lines that explain a failure."""
+actor the run has had; actors running, pending and restarted), which actors missed a weight version,
+and the lines that explain a failure."""
 
 from __future__ import annotations
 
@@ -22,6 +23,21 @@ def pool_metrics(restarts: int, alive: int, pending: int) -> dict[str, float]:
     return {"rollout/actor_restarts": restarts, "rollout/actors_alive": alive,
             "rollout/actors": alive + pending, "rollout/actors_pending": pending}
 
+
+
+def not_at_version(actors: dict, version: int) -> list[str]:
+    """The actors whose engine does not report `version` (after a failed push); unreachable counts as not."""
+    import ray
+
+    refs = {i: a.version.remote() for i, a in actors.items()}
+    out = []
+    for i, r in refs.items():
+        try:
+            if ray.get(r, timeout=60) != version:
+                out.append(i)
+        except Exception:  # noqa: BLE001 - unreachable counts as failed
+            out.append(i)
+    return out
 
 def no_room(cfg: Config, actor_ids: list[str]) -> str:
     """Why a start stopped: which actors found no room, what each needs, what is free."""

@@ -5,6 +5,7 @@
     update.py         PPO mini-batches and token-budget micro-batches (pure)
     optim.py          learning-rate schedule, peak FLOP/s for MFU
     worker.py         LearnerWorker: one rank (plain class; runs with or without Ray)
+    rank_setup.py     a rank's device, process group, seeds and model loading, before FSDP2
     weight_export.py  the rank's full weights, bucketed (a mixin of LearnerWorker)
     group.py          LearnerGroup: one Ray actor per rank in a placement group
     weight_sync.py    WeightSyncer: the driver-side push to the engines (the bucket format and the

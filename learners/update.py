@@ -120,3 +120,20 @@ def _first_fit(lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
             groups[j].append(int(i))
             room[j] -= n
     return groups
+
+
+def merge_rank_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-micro-batch loss metrics from all ranks: `_tokens`-weighted means, max for `_max`."""
+    if not metrics:
+        return {}
+    tokens = [m.get("_tokens", 0.0) for m in metrics]
+    total = sum(tokens)
+    out: dict[str, float] = {"loss/tokens": total}
+    for key in metrics[0]:
+        if key == "_tokens":
+            continue
+        if key.endswith("_max"):
+            out[key] = max(m[key] for m in metrics)
+        else:
+            out[key] = sum(m[key] * n for m, n in zip(metrics, tokens)) / max(total, 1.0)
+    return out

@@ -1,9 +1,10 @@
 """One learner rank: FSDP2 model, optimizer, micro-batched IS-corrected update.
 
 A plain class: `LearnerGroup` wraps it in one Ray actor per rank, and it also
-runs under torchrun or in a single process (world_size=1) for tests. A little over 400 lines: one
-update loop and the rank state it owns; the maths is in learners/update.py, logprobs.py,
-chunked_logprobs.py, packed_attention.py, dropout.py and sequence_parallel.py, export in weight_export.py.
+runs under torchrun or in a single process (world_size=1) for tests. Here: the update loop and
+the rank state it owns. Set-up before the model exists (device, process group, seeds, loading) is
+learners/rank_setup.py; the maths is in learners/update.py, logprobs.py, chunked_logprobs.py,
+packed_attention.py, dropout.py and sequence_parallel.py; export in weight_export.py.
 
     train_step(batch):
         mini-batches = learner.mini_batches consecutive parts of the FULL batch (learners/update.py)
@@ -44,16 +45,16 @@ from torch.distributed.tensor import DTensor
 
 from async_april.errors import WeightsDivergedError
 from learners import checkpoint as ckpt
-from learners import dropout, lora, packed_attention
+from learners import dropout, lora
 from learners import sequence_parallel as seqpar
-from learners.chunked_logprobs import install_logprob_head
 from learners.hf_dir import write_hf_dir
-from learners.host_allocator import return_freed_blocks_to_os
 from learners.logprobs import collate, response_logprobs
 from learners.optim import make_lr_scheduler, peak_flops
-from learners.update import kept_counts, mean_over_mini_batches, needs_proximal_forward, pack_micro_batches, split_mini_batches
+from learners.rank_setup import join_process_group, load_model, pick_device, seed_everything
+from learners.update import (kept_counts, mean_over_mini_batches, merge_rank_metrics, needs_proximal_forward,
+                             pack_micro_batches, split_mini_batches)
 from learners.weight_export import WeightExport
-from learners.parallelize import make_mesh, parallelize, resolve_attn_implementation
+from learners.parallelize import make_mesh, parallelize
 
 if TYPE_CHECKING:
     from async_april.rollout.batch import TrainBatch
@@ -85,39 +86,10 @@ class LearnerWorker(WeightExport):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model_path = str(model_path_on_this_node(cfg.model, model_path))  # a hub ID resolves per node
         lc = cfg.learner
-        want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if want == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("learner.device=cuda but no CUDA device is visible to this rank; set learner.device=cpu")
-        if want == "cuda":
-            # Under Ray each rank sees only its own GPU; under torchrun all of them (pick LOCAL_RANK).
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-            return_freed_blocks_to_os()  # freed activations leave the RSS (learners/host_allocator.py)
-
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
-        if not dist.is_initialized():
-            # Offloaded shards live on the CPU: their collectives (grad-norm, full_tensor) need gloo beside NCCL.
-            backend = ("cpu:gloo,cuda:nccl" if lc.offload_optimizer else "nccl") if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
-
-        from transformers import AutoModelForCausalLM
-
-        seed = cfg.run.seed
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        import random
-
-        random.seed(seed)
-        attn = resolve_attn_implementation(cfg.model.attn_implementation)
-        if attn == "sdpa" and lc.packing and lc.sequence_parallel == 1 and not cfg.model.parity:
-            attn = packed_attention.register()  # packed rows without a [T, T] mask (learners/packed_attention.py)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
-        if attn == packed_attention.ATTN_NAME:
-            packed_attention.check_model(model.config)  # plain causal within rows: no sliding window
-        install_logprob_head(model)  # before the copy and FSDP2: logprobs come from the head, not full logits
+        self.device = pick_device(lc)
+        join_process_group(self.device, lc, rank, world_size, master_addr, master_port)
+        seed_everything(cfg.run.seed)
+        model = load_model(cfg, self.model_path)
         self.hf_config = model.config
         # Sequence parallelism (learners/sequence_parallel.py): Ulysses attention, rows sharded over "dp" only.
         self.sp = seqpar.setup(model, world_size, lc.sequence_parallel, self.device.type)
@@ -425,19 +397,3 @@ class LearnerWorker(WeightExport):
             dist.barrier()
             dist.destroy_process_group()
 
-
-def merge_rank_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
-    """Combine per-micro-batch loss metrics from all ranks: `_tokens`-weighted means, max for `_max`."""
-    if not metrics:
-        return {}
-    tokens = [m.get("_tokens", 0.0) for m in metrics]
-    total = sum(tokens)
-    out: dict[str, float] = {"loss/tokens": total}
-    for key in metrics[0]:
-        if key == "_tokens":
-            continue
-        if key.endswith("_max"):
-            out[key] = max(m[key] for m in metrics)
-        else:
-            out[key] = sum(m[key] * n for m, n in zip(metrics, tokens)) / max(total, 1.0)
-    return out

@@ -46,3 +46,11 @@ def test_the_core_is_in_rooms_each_saying_what_it_holds():
     assert len(loose) <= 12, loose
     for init in (REPO / "async_april").glob("*/__init__.py"):
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(REPO)} has no docstring"
+
+
+def test_no_module_is_over_400_lines():
+    """Issue 39: a module that outgrows 400 lines holds more than one idea; split it along the idea,
+    as store_report.py, rank_setup.py, pool_pending.py and LaunchedServer (sglang_process.py) were."""
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
+             for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    assert not (big := sorted(f"{p} ({n})" for p, n in sizes.items() if n > 400)), f"over 400 lines: {big}"

@@ -1,8 +1,8 @@
 """SGLang engine: an HTTP client for an SGLang 0.5.23 server (launched here, one per actor, or at a URL).
 
-A little over 400 lines: one client whose routes (generate, abort, pause, the weight-update session)
-share the update gate and its error handling; server checks and HTTP helpers are already apart
-(sglang_server.py, sglang_http.py).
+One client whose routes (generate, abort, pause, the weight-update session) share the update gate
+and its error handling; server checks, HTTP helpers and the launched process are apart
+(sglang_server.py, sglang_http.py, sglang_process.py).
 
 Written against SGLang 0.5.23's source (paths under sglang/srt/); docs/engines.md has the per-route
 conformance table (what is sent, what the server does, the test that shows it). In short:
@@ -26,12 +26,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, Iterable
 
@@ -40,7 +36,7 @@ import numpy as np
 
 from actors.engine import EngineStats, GenerateRequest, GenerateResult, WeightBucket
 from actors.engines.sglang_http import SGLangHTTP
-from actors.engines.sglang_process import claim_port, launch_module_error, listener_pid, process_tree
+from actors.engines.sglang_process import LaunchedServer, claim_port, launch_module_error
 from actors.engines.sglang_server import (IN_FLIGHT_FLAGS, ContextLimits, check_server_info, in_flight_problem,
                                           original_logprob_env_error)
 from actors.engines.sglang_wire import SGLangError, json_object, parse_generate_response, serialize_named_tensors
@@ -91,9 +87,8 @@ class SGLangEngine(SGLangHTTP):
         """Extra SGLang sampling_params sent with every request, e.g. {"ignore_eos": True}."""
         self._version = version
         self.port: int | None = None
-        self._port_lock: Any = None
-        self._proc: subprocess.Popen | None = None
-        self._log_path: str | None = None
+        self._server: LaunchedServer | None = None
+        """The server `start()` launched (url=None), else None."""
         self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str, asyncio.Task] = {}
         self._rid = itertools.count()
@@ -137,11 +132,8 @@ class SGLangEngine(SGLangHTTP):
     def _launch(self) -> None:
         if why := launch_module_error(self.launch_module):
             raise SGLangError(why)
-        self.port, self._port_lock = claim_port(*self.port_range)
-        fd, self._log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
-        self._proc = subprocess.Popen(self.launch_command(self.port), stdout=fd, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        os.close(fd)
+        self.port, port_lock = claim_port(*self.port_range)
+        self._server = LaunchedServer(self.launch_command(self.port), self.port, port_lock)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def launch_command(self, port: int) -> list[str]:
@@ -166,8 +158,8 @@ class SGLangEngine(SGLangHTTP):
         last_err = "no answer"
         while time.monotonic() < deadline:
             self.startup_note = f"SGLang at {self.url}: {time.monotonic() - t0:.0f}s of {self.startup_timeout_s:.0f}s ({last_err})"
-            if self._proc is not None and self._proc.poll() is not None:
-                raise SGLangError(f"SGLang server exited with code {self._proc.returncode} during startup\n{self._log_tail()}")
+            if self._server is not None and (code := self._server.exit_code()) is not None:
+                raise SGLangError(f"SGLang server exited with code {code} during startup\n{self._log_tail()}")
             try:
                 async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
                     if r.status == 200:
@@ -184,14 +176,11 @@ class SGLangEngine(SGLangHTTP):
     async def _check_server(self) -> None:
         """The server answering is the one we mean: our own child (launched), with our tp size and
         seed handling; and it counts weight versions from ours."""
-        if self._proc is not None:
-            owner = listener_pid(self.port)
-            if owner is not None and owner not in process_tree(self._proc.pid):
-                raise SGLangError(f"port {self.port} is answered by process {owner}, not by the SGLang server this actor "
-                                  f"launched (pid {self._proc.pid}); another server holds the port")
+        if self._server is not None and (why := self._server.port_problem()):
+            raise SGLangError(why)
         info = self._server_info = await self._get_json("/server_info", "/get_server_info")
         if info is not None:
-            check_server_info(info, self.url, port=self.port if self._proc is not None else None, tp_size=self.tp_size,
+            check_server_info(info, self.url, port=self.port if self._server is not None else None, tp_size=self.tp_size,
                               deterministic=self.deterministic, rl_on_policy_target=self.rl_on_policy_target)
         self._limits = ContextLimits.from_server_info(info)
         if self.in_flight_updates and (why := in_flight_problem(info, self.url)):
@@ -200,11 +189,8 @@ class SGLangEngine(SGLangHTTP):
         if model is not None and model.get("weight_version") not in (None, str(self._version)):
             await self._post_ok("/update_weight_version", {"new_version": str(self._version), "abort_all_requests": False})
 
-    def _log_tail(self, n: int = 30) -> str:
-        if not self._log_path or not os.path.exists(self._log_path):
-            return "(no server log: the server was not launched by this engine)"
-        with open(self._log_path, errors="replace") as f:
-            return "last server log lines:\n" + "".join(deque(f, n))
+    def _log_tail(self) -> str:
+        return self._server.log_tail() if self._server else "(no server log: the server was not launched by this engine)"
 
     async def shutdown(self) -> None:
         if self._session is None:
@@ -217,16 +203,9 @@ class SGLangEngine(SGLangHTTP):
         finally:
             await self._session.close()
             self._session = None
-            if self._proc is not None:
-                self._proc.terminate()
-                try:
-                    self._proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                self._proc = None
-            if self._port_lock is not None:
-                self._port_lock.close()
-                self._port_lock = None
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
 
     # ------------------------------------------------------------------ generation
     def _tick(self) -> None:

@@ -1,12 +1,16 @@
 """Ports and processes for SGLang servers launched by generation actors: a port per actor on a node
-(an exclusive lock file plus a bind check), and who listens on it."""
+(an exclusive lock file plus a bind check), the launched server's process and log, and who listens
+on its port."""
 
 from __future__ import annotations
 
 import fcntl
+import os
 import random
 import socket
+import subprocess
 import tempfile
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +81,50 @@ def process_tree(pid: int) -> set[int]:
         return {pid, *(c.pid for c in p.children(recursive=True))}
     except psutil.NoSuchProcess:
         return set()
+
+
+class LaunchedServer:
+    """A server this actor launched on `port`: its process (a session of its own, so stopping it
+    reaches what it spawned), the port's lock file held for its life, and its log in a temp file."""
+
+    def __init__(self, cmd: list[str], port: int, port_lock: Any) -> None:
+        self.port, self.port_lock = port, port_lock
+        fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-{port}-", suffix=".log")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            if port_lock is not None:  # no server will hold the port
+                port_lock.close()
+            raise
+        finally:
+            os.close(fd)
+
+    def exit_code(self) -> int | None:
+        """The process's exit code once it has exited, else None."""
+        return self.proc.poll()
+
+    def port_problem(self) -> str | None:
+        """Why the server answering on our port is not this process (a neighbour bound it first), or None."""
+        owner = listener_pid(self.port)
+        if owner is not None and owner not in process_tree(self.proc.pid):
+            return (f"port {self.port} is answered by process {owner}, not by the SGLang server this actor "
+                    f"launched (pid {self.proc.pid}); another server holds the port")
+        return None
+
+    def log_tail(self, n: int = 30) -> str:
+        if not os.path.exists(self.log_path):
+            return "(no server log: its file is gone)"
+        with open(self.log_path, errors="replace") as f:
+            return "last server log lines:\n" + "".join(deque(f, n))
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 30 s; the port's lock is released either way."""
+        try:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        finally:
+            if self.port_lock is not None:
+                self.port_lock.close()

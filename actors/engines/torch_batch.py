@@ -1,4 +1,4 @@
-"""The torch engine's tensor operations: a left-padded KV batch, sampling filters, weight staging.
+"""The torch engine's tensor operations: a left-padded KV batch and its prefill, sampling, weight staging.
 
 Pure functions over tensors (and a model's parameters), so actors/engines/torch_engine.py keeps only
 its loop. The running batch is a `DynamicCache` ([B, H, T, D] per layer) plus a [B, T] attention mask,
@@ -13,7 +13,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from actors.engine import WeightBucket
+from actors.engine import SamplingParams, WeightBucket
+from async_april.parity.kernels import log_softmax
 from async_april.weights.lora import is_adapter_name, merge_lora, pair_adapters
 
 
@@ -36,6 +37,19 @@ def left_padded(seqs: list[np.ndarray], device) -> tuple[torch.Tensor, torch.Ten
         ids[i, T - len(x) :] = torch.as_tensor(np.asarray(x, np.int64))
         mask[i, T - len(x) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def prefill(model: torch.nn.Module, seqs: list[np.ndarray], device, cache_kw: str):
+    """One forward over `seqs` as a left-padded batch into a fresh `DynamicCache`; position ids count
+    each row's real tokens, so padding never changes its numbers. Returns (output, cache, mask);
+    the output keeps the last position's logits only."""
+    from transformers import DynamicCache
+
+    ids, mask = left_padded(seqs, device)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    return out, cache, mask
 
 
 def merge_kv(cache, mask: torch.Tensor, new_cache, new_mask: torch.Tensor) -> torch.Tensor:
@@ -73,6 +87,27 @@ def top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         out = out.clone()
         out[order[drop]] = float("-inf")
     return out
+
+
+def sample_next(logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
+                parity: bool = False) -> tuple[list[int], list[float]]:
+    """One token per row of `logits` ([B, V]) and its logprob, log_softmax(logits / T)[token] taken
+    before top-k / top-p (SGLang's convention). Temperature <= 0 is greedy; each row draws from its
+    own request's generator, so its tokens never depend on its batch companions. `parity`: the
+    batch-invariant log-softmax of async_april/parity/."""
+    logits = logits.float()
+    temps = torch.tensor([sp.temperature for sp in sampling], device=logits.device)
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logp = log_softmax(scaled) if parity else torch.log_softmax(scaled, -1)
+    tokens = []
+    for i, (sp, gen) in enumerate(zip(sampling, generators)):
+        if greedy[i]:
+            tokens.append(int(logp[i].argmax()))
+            continue
+        lp = top_k_top_p(logp[i], sp.top_k, sp.top_p) if (sp.top_k > 0 or sp.top_p < 1.0) else logp[i]
+        tokens.append(int(torch.multinomial(lp.exp(), 1, generator=gen)))
+    return tokens, logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
 def stage_weight_update(model: torch.nn.Module, buckets: Iterable[WeightBucket], version: int,

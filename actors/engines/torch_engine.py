@@ -1,7 +1,7 @@
 """Built-in engine: continuous batching over a transformers causal LM with a KV cache.
 
-A little over 400 lines: one worker loop and the state it owns (its tensor operations are
-torch_batch.py); splitting the loop would spread the row bookkeeping over two files.
+One worker loop and the rows it owns; its tensor operations (prefill, sampling, cache merges,
+weight staging) are pure functions in torch_batch.py.
 
 Thread model: one worker thread owns the model and runs the loop below; the
 asyncio side only enqueues work and awaits futures, so the actor stays
@@ -16,19 +16,13 @@ cache of rows still running with the new weights (a re-prefill, counted);
 `update_weights_in_flight` keeps it, so those rows continue at once and only
 tokens fed after the load go through the new weights.
 
-The running batch is one left-padded `DynamicCache` ([B, H, T, D] per layer)
-plus a [B, T] attention mask (its tensor operations: actors/engines/torch_batch.py). New requests are prefilled as their own
-left-padded batch and merged in by left-padding whichever cache is shorter;
-finished rows are dropped with `index_select` and all-pad leading columns are
-trimmed. Position ids are per row (count of real tokens), so padding never
-changes a row's numbers: logprobs match a teacher-forced forward to ~1e-6 in
-fp32 (tests/test_torch_engine.py).
-
-Sampling uses one `torch.Generator` per request seeded from
-`SamplingParams.seed`, so a request's tokens do not depend on its batch
-companions. The recorded logprob is log_softmax(logits / T)[token], taken
-before top-k / top-p (SGLang's convention). Each token is tagged with the
-weight version of the step that produced it.
+The running batch is one left-padded `DynamicCache` plus a [B, T] attention mask
+(torch_batch.py): new requests are prefilled as their own batch and merged in,
+finished rows dropped. Position ids count each row's real tokens, so padding
+never changes a row's numbers: logprobs match a teacher-forced forward to ~1e-6
+in fp32 (tests/test_torch_engine.py). Each request samples from its own
+`torch.Generator` seeded from `SamplingParams.seed`, and each token is tagged
+with the weight version of the step that produced it.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ import numpy as np
 import torch
 
 from actors.engine import ADMISSION_BLOCK_DIVISOR, EngineStats, GenerateRequest, GenerateResult, WeightBucket, settle_future
-from async_april.parity.kernels import log_softmax
-from actors.engines.torch_batch import left_padded, merge_kv, select_kv, stage_weight_update, top_k_top_p
+from actors.engines.torch_batch import merge_kv, prefill, sample_next, select_kv, stage_weight_update
 
 ADMIT_EVERY_STEPS = 4
 """While rows are running, waiting requests wait at most this many decode steps to be prefilled,
@@ -301,19 +294,13 @@ class TorchEngine:
         """Recompute the running rows' KV cache with the new weights, so every later token is exactly
         the new policy's (SGLang flushes its cache for the same reason). The last sampled token is
         not fed yet: the next decode step feeds it."""
-        from transformers import DynamicCache
-
         seqs = [np.concatenate([np.asarray(r.req.input_ids, np.int64), np.asarray(r.ids[:-1], np.int64)])
                 for r in self._running]
-        ids, mask = left_padded(seqs, self.device)
+        _, self._cache, self._mask = prefill(self.model, seqs, self.device, self._cache_kw)
         for r, x in zip(self._running, seqs):
             r.length = len(x)
-        cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-                   use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         self._stats.prefill_tokens += sum(len(x) for x in seqs)
         self._stats.reprefill_tokens += sum(len(x) for x in seqs)
-        self._cache, self._mask = cache, mask
 
     def _admit(self) -> None:
         if not self._waiting:
@@ -339,17 +326,11 @@ class TorchEngine:
             self._prefill(batch)
 
     def _prefill(self, rows: list[_Row]) -> None:
-        from transformers import DynamicCache
-
-        lens = [len(r.req.input_ids) for r in rows]
-        ids, mask = left_padded([np.asarray(r.req.input_ids, np.int64) for r in rows], self.device)
-        for r, n in zip(rows, lens):
-            r.length = n
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self._cache_kw: cache})
-        self._stats.prefill_tokens += sum(lens)
+        seqs = [np.asarray(r.req.input_ids, np.int64) for r in rows]
+        out, cache, mask = prefill(self.model, seqs, self.device, self._cache_kw)
+        for r, x in zip(rows, seqs):
+            r.length = len(x)
+        self._stats.prefill_tokens += sum(len(x) for x in seqs)
         self._merge(rows, cache, mask)
         self._sample_and_finish(out.logits[:, -1, :], len(self._running) - len(rows))
 
@@ -382,20 +363,7 @@ class TorchEngine:
     def _sample_and_finish(self, logits: torch.Tensor, first: int) -> None:
         """Sample one token for rows[first:] from `logits` (one row each), then drop finished rows."""
         rows = self._running[first:]
-        logits = logits.float()
-        temps = torch.tensor([r.req.sampling.temperature for r in rows], device=logits.device)
-        greedy = temps <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        logp = log_softmax(scaled) if self.parity else torch.log_softmax(scaled, -1)
-        tokens = []
-        for i, r in enumerate(rows):
-            sp = r.req.sampling
-            if greedy[i]:
-                tokens.append(int(logp[i].argmax()))
-                continue
-            lp = top_k_top_p(logp[i], sp.top_k, sp.top_p) if (sp.top_k > 0 or sp.top_p < 1.0) else logp[i]
-            tokens.append(int(torch.multinomial(lp.exp(), 1, generator=r.gen)))
-        picked = logp[torch.arange(len(rows)), torch.tensor(tokens)].tolist()
+        tokens, picked = sample_next(logits, [r.req.sampling for r in rows], [r.gen for r in rows], self.parity)
         self._stats.generated_tokens += len(rows)
         keep = list(range(first))
         for i, (r, tok, lp) in enumerate(zip(rows, tokens, picked)):

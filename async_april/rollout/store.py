@@ -12,9 +12,11 @@ trained, filtered, dropped or skipped (its learner step was skipped) -- and
 `RolloutStore` is plain Python (tested without Ray); `RolloutStoreActor`
 (rollout/store_actor.py) wraps it as an async Ray actor whose `get_batch` waits
 without blocking pushes. Everything here, leases included, is saved by
-`state_dict()`. Admission, work order, batching and accounting stay in this one
-file: they are one state machine over the same groups, and splitting it would
-spread each invariant over two files.
+`state_dict()`. Admission, work order, batching and the state changes behind
+the accounting stay in this one file: they are one state machine over the same
+groups, and splitting it would spread each invariant over two files. What the
+store reports (`accounting()`, `metrics()`) only reads that state:
+rollout/store_report.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from async_april.config import Config
 from async_april.data import PromptDataset
+from async_april.rollout import store_report
 from async_april.rollout.staleness import StalenessController
 from async_april.rollout.trajectory import Group, Sample
 
@@ -346,65 +349,17 @@ class RolloutStore:
         self.version = version
         self._retire_stale_open_groups()
 
-    # -- observability ----------------------------------------------------------
+    # -- observability (async_april/rollout/store_report.py) -------------------
     def accounting(self) -> dict[str, list[int]]:
         """Every prompt index taken from the dataset, by state; each appears exactly once."""
-        in_flight, partial = [], []
-        for p, g in self.open_groups.items():
-            leased = any(s.uid in held for held in self.leases.values() for s in g.samples)
-            has_partial = any(s.uid in self.partials for s in g.samples)
-            (partial if has_partial and not leased else in_flight).append(p)
-        return {
-            "in_flight": sorted(in_flight),
-            "partial": sorted(partial),
-            "completed": sorted(g.prompt_index for g in self.completed),
-            "trained": list(self.trained),
-            "filtered": list(self.filtered),
-            "dropped": list(self.dropped),
-            "skipped": list(self.skipped),
-        }
+        return store_report.accounting(self)
 
     def check_accounting(self) -> None:
         """Raise if any prompt is lost, duplicated or trained twice."""
-        states = self.accounting()
-        seen = [p for ps in states.values() for p in ps]
-        counts = Counter(seen)
-        dup = sorted(p for p, c in counts.items() if c > 1)
-        missing = sorted(set(range(self.cursor)) - set(counts))
-        if dup or missing or len(seen) != self.cursor:
-            raise AssertionError(f"rollout accounting broken: duplicated {dup[:10]}, missing {missing[:10]}, cursor {self.cursor}")
+        store_report.check_accounting(self)
 
     def metrics(self) -> dict[str, float]:
-        c = self.counters
-        return {
-            "rollout/groups_started": c.started_groups,
-            "rollout/groups_filtered": c.filtered_groups,
-            "rollout/groups_dropped_stale": c.dropped_groups,
-            "rollout/groups_requeued_stale": c.requeued_groups,
-            "rollout/partial_resumed": c.partial_resumed,
-            "rollout/aborted_tokens": c.aborted_tokens,
-            "rollout/aborted_tokens_reused": c.aborted_tokens_reused,
-            "rollout/aborted_tokens_pending": sum(self.aborted_len.values()),
-            "rollout/aborted_tokens_discarded": c.aborted_tokens_discarded,
-            "rollout/stale_tokens_discarded": c.stale_tokens_discarded,
-            "rollout/wasted_tokens": sum(c.wasted_tokens.values()),
-            "rollout/wasted_tokens/stale": c.wasted_tokens["stale"],
-            "rollout/wasted_tokens/filtered": c.wasted_tokens["filtered"],
-            "rollout/groups_dropped_requeue_limit": c.requeue_limit_groups,
-            "rollout/partial_buffer": len(self.partials),
-            "rollout/completed_waiting": len(self.completed),
-            "rollout/leased": sum(len(h) for h in self.leases.values()),
-            "rollout/actor_failures": c.actor_failures,
-            "rollout/samples_released": c.extra["samples_released"],
-            "rollout/store_calls": c.extra["store_calls"],
-            "rollout/groups_skipped_bad_step": c.skipped_groups,
-            "async/eta": self.max_staleness,
-            "async/over_provision": self.over_provision,
-            "data/prompt_cursor": self.cursor,
-            "data/rejected_long_prompts": self.dataset.rejected_long,
-            "data/truncated_long_prompts": self.dataset.truncated_long,
-            "data/bad_rows": self.dataset.bad_rows,
-        }
+        return store_report.metrics(self)
 
     # -- checkpointing --------------------------------------------------------
     _NOT_SAVED = ("dataset", "controller", "dynamic_sampling", "stale_policy", "max_requeues", "n", "batch_groups",
